@@ -1,0 +1,33 @@
+# One-command setup and test. A fresh machine needs only Python 3.10+.
+#   make test    create .venv, install, run the per-commit CPU suite
+#   make list    show what the per-commit suite runs
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUITE ?= per-commit-cpu
+HW ?= cpu
+
+.PHONY: install test list bench clean
+
+$(VENV)/.installed: python/pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned: the CPU build on local disk, not a multi-GB CUDA download
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e "python[test,nixl]"
+	# nixl-cu12 provides the library; the "nixl" wheel provides `import nixl`
+	$(PY) -m pip install -q --no-deps nixl==1.5.1
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	TRITON_INTERPRET=1 $(PY) test/run_suite.py --hw $(HW) --suite $(SUITE)
+
+list: install
+	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --list
+
+bench: install
+	$(PY) scripts/bench/bench_kvcacheio.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,131 @@
+"""Paged slot allocator: hands out whole pages of token (or request) slots.
+
+Used by device pools (with the first page reserved as a padding target for writes that must
+land somewhere) and by host pools (nothing reserved). Slots are int64 CPU tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_aligned
+
+
+class PagedAllocator:
+    """Free list of pages over ``num_pages`` pages of ``page_size`` slots.
+
+    ``alloc`` takes the lowest-numbered pages among the currently free ones after a merge, so
+    slot ids are deterministic. Thread-safe: host pools are shared by the scheduler and the
+    controller's worker threads.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, reserved_pages: int = 0):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_pages < 0 or reserved_pages < 0:
+            raise ValueError(f"num_pages and reserved_pages must be >= 0, got {num_pages}, {reserved_pages}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.reserved_pages = reserved_pages
+        self._lock = threading.RLock()
+        self.clear()
+
+    @property
+    def size(self) -> int:
+        """Usable slots (reserved pages excluded)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def end_slot(self) -> int:
+        return (self.reserved_pages + self.num_pages) * self.page_size
+
+    def clear(self) -> None:
+        with self._lock:
+            first = self.reserved_pages
+            self._free_pages = torch.arange(first, first + self.num_pages, dtype=torch.int64)
+            self._released: list[torch.Tensor] = []
+            self._is_free = torch.zeros(first + self.num_pages, dtype=torch.bool)
+            self._is_free[first:] = True
+            self._num_free = self.num_pages
+
+    def available_size(self) -> int:
+        """Free slots."""
+        return self._num_free * self.page_size
+
+    def _merge(self) -> None:
+        if self._released:
+            self._free_pages = torch.cat([self._free_pages, *self._released]).sort().values
+            self._released = []
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """Take ``num_pages`` free page ids; None when fewer are free (nothing is taken)."""
+        with self._lock:
+            if num_pages > self._num_free:
+                return None
+            if num_pages > self._free_pages.numel():
+                self._merge()
+            pages = self._free_pages[:num_pages]
+            self._free_pages = self._free_pages[num_pages:]
+            self._is_free[pages] = False
+            self._num_free -= num_pages
+            return pages.clone()
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Allocate ``need_size`` slots (a multiple of page_size) as whole pages.
+
+        Returns an int64 CPU tensor of slot ids, or None when not enough pages are free.
+        """
+        if need_size < 0 or need_size % self.page_size:
+            raise ValueError(
+                f"alloc size must be a non-negative multiple of page_size {self.page_size}, got {need_size}"
+            )
+        pages = self.alloc_pages(need_size // self.page_size)
+        if pages is None:
+            return None
+        return self.pages_to_slots(pages)
+
+    def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offs = torch.arange(self.page_size, dtype=torch.int64)
+        return (pages.unsqueeze(1) * self.page_size + offs).reshape(-1)
+
+    def free(self, indices) -> None:
+        """Return whole pages of slots. Raises ValueError on partial pages, out-of-range or
+        double-freed slots; on error nothing is freed."""
+        slots = as_cpu_index(indices, "free indices")
+        if slots.numel() == 0:
+            return
+        check_page_aligned(slots, self.page_size, "free indices")
+        check_in_range(slots, self.reserved_pages * self.page_size, self.end_slot, "free indices")
+        pages = slots[:: self.page_size] // self.page_size
+        with self._lock:
+            if pages.unique().numel() != pages.numel():
+                raise ValueError("free indices name the same page twice")
+            if bool(self._is_free[pages].any()):
+                dup = int(pages[self._is_free[pages]][0])
+                raise ValueError(f"double free: page {dup} (slot {dup * self.page_size}) is already free")
+            self._is_free[pages] = True
+            self._released.append(pages)
+            self._num_free += pages.numel()
+
+    def is_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which of these slots lie in free pages."""
+        return self._is_free[slots // self.page_size]
+
+    def free_slot_mask(self) -> torch.Tensor:
+        """Bool mask over slots [0, end_slot): True where the slot is free (reserved slots False)."""
+        return self._is_free.repeat_interleave(self.page_size)
+
+
+class PagedTokenToKVPoolAllocator(PagedAllocator):
+    """Device token-slot allocator over a device pool. Page 0 is reserved (padding target)."""
+
+    def __init__(self, size: int, page_size: int, kvcache=None):
+        if size % page_size:
+            raise ValueError(f"size {size} is not a multiple of page_size {page_size}")
+        super().__init__(size // page_size, page_size, reserved_pages=1)
+        self._kvcache = kvcache
+
+    def get_kvcache(self):
+        return self._kvcache

@@ -1,0 +1,1 @@
+"""KV cache IO between device and host pools: the dispatch table and its copy routines."""

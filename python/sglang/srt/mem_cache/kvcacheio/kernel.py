@@ -1,0 +1,56 @@
+"""``kernel`` IO: the Triton copy kernel, or a torch stand-in where Triton cannot run."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from sglang.srt.mem_cache.kvcacheio.spec import ComponentIO
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_copy():
+    from sglang.srt.mem_cache.kvcacheio import triton_kernels
+
+    return triton_kernels.copy_items
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_copy():
+    logger.warning(
+        "io_backend=kernel without a GPU and without TRITON_INTERPRET=1: copying with the torch "
+        "gather routine instead of the Triton kernel"
+    )
+    from sglang.srt.mem_cache.kvcacheio import gather
+
+    return gather.copy_items
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on CUDA tensors, and on CPU tensors only under its interpreter."""
+    if device.type == "cuda":
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _copy_fn(device: torch.device):
+    return _triton_copy() if triton_usable(device) else _fallback_copy()
+
+
+def load_per_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:
+    _copy_fn(c.device.device)(c.host, c.device, c.host_map, c.device_map, host_idx, dev_idx, layer, 1)
+
+
+def backup_all_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
+    _copy_fn(c.device.device)(c.device, c.host, c.device_map, c.host_map, dev_idx, host_idx, 0, c.layer_num)
