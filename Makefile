@@ -13,7 +13,7 @@ $(VENV)/.installed: python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build on local disk, not a multi-GB CUDA download
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e "python[test,nixl]"
+	$(PY) -m pip install -q -e "python[test,nixl,serve]"
 	# nixl-cu12 provides the library; the "nixl" wheel provides `import nixl`
 	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	touch $@
