@@ -21,7 +21,7 @@ $(VENV)/.installed: python/pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	TRITON_INTERPRET=1 $(PY) test/run_suite.py --hw $(HW) --suite $(SUITE)
+	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE)
 
 list: install
 	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --list

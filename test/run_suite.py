@@ -6,6 +6,8 @@ Registrations are read with ``ast`` from every ``test_*.py`` under ``test/regist
 such file must make exactly one top-level ``register_cpu_ci`` / ``register_cuda_ci`` call (or
 one of each) with literal arguments. Each selected file runs in its own pytest process; the run
 ends with a pytest-style summary line and a non-zero exit status when anything failed.
+
+Each file gets ``SGLANG_TEST_DEVICE`` = the --hw value, and on cpu ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ def select(regs: list[Registration], hw: str, suite: str) -> list[Registration]:
     return [r for r in regs if r.hw == hw and r.suite == suite]
 
 
-def run(selected: list[Registration], timeout_per_file: float, pytest_args: list[str]) -> int:
+def run(selected: list[Registration], hw: str, timeout_per_file: float, pytest_args: list[str]) -> int:
     env = dict(os.environ)
+    env["SGLANG_TEST_DEVICE"] = hw
+    if hw == "cpu":
+        env.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run under the interpreter on CPU
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT.parent / "python"), env.get("PYTHONPATH", "")) if p
     )
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if not selected:
         print(f"error: suite {args.suite!r} selects no test files", file=sys.stderr)
         return 2
-    return run(selected, args.timeout_per_file, pytest_args)
+    return run(selected, args.hw, args.timeout_per_file, pytest_args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,29 @@
-"""``direct`` IO: tensor copies coalesced over runs of consecutive slots (or pages).
+"""``direct`` IO: byte-range copies, one per (page, layer), merged where memory is adjacent.
 
-A run is a stretch where both the host and the device indices advance by one, so a batch of
-pages allocated together moves with one copy per run (per layer when loading one layer).
+Works for layouts where the tokens of a page are contiguous within a layer (``layer_first``,
+``page_first_direct``) on both sides. The ranges are computed in one vectorised pass from the
+two ItemMaps, adjacent ranges are merged (a run of consecutive pages becomes one copy), and
+then executed:
+
+- on CUDA as ``copy_`` of byte slices (each an async memcpy on the current stream);
+- on CPU as ``memcpy`` calls spread over a few threads, because one memcpy uses one core and a
+  Python loop over tensor views costs more than copying a 64 KiB page.
 """
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from sglang.srt.mem_cache.kvcacheio.spec import ComponentIO
+from sglang.srt.mem_cache.pool_host.layout import ItemMap
+
+_MIN_BYTES_PER_WORKER = 1 << 20
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
 
 
 def contiguous_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -22,30 +37,79 @@ def contiguous_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int
     return list(zip(src[starts].tolist(), dst[starts].tolist(), (ends - starts).tolist()))
 
 
-def load_layer_first(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:
-    for h, d, n in contiguous_runs(host_idx, dev_idx):
-        c.device[layer, d : d + n].copy_(c.host[layer, h : h + n], non_blocking=True)
+def page_segments(
+    src_map: ItemMap, dst_map: ItemMap, src_slots: torch.Tensor, dst_slots: torch.Tensor, layers: range, elem_bytes: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Byte (src_offset, dst_offset, length) of every (layer, page), adjacent ranges merged.
+
+    Slots are whole pages; both maps must keep a page's tokens contiguous within a layer.
+    """
+    P = src_map.page_size
+    page_bytes = P * src_map.chunk_numel * elem_bytes
+    src_pages, dst_pages = src_slots[::P] // P, dst_slots[::P] // P
+    lay = torch.tensor(list(layers), dtype=torch.int64)[:, None]
+    src_off = ((src_pages * src_map.page_stride)[None, :] + lay * src_map.layer_stride).reshape(-1) * elem_bytes
+    dst_off = ((dst_pages * dst_map.page_stride)[None, :] + lay * dst_map.layer_stride).reshape(-1) * elem_bytes
+    if src_off.numel() == 0:
+        return [], [], []
+    joined = (src_off[1:] == src_off[:-1] + page_bytes) & (dst_off[1:] == dst_off[:-1] + page_bytes)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), (~joined).nonzero().flatten() + 1])
+    counts = torch.diff(starts, append=torch.tensor([src_off.numel()]))
+    return src_off[starts].tolist(), dst_off[starts].tolist(), (counts * page_bytes).tolist()
 
 
-def backup_layer_first(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
-    for h, d, n in contiguous_runs(host_idx, dev_idx):
-        c.host[:, h : h + n].copy_(c.device[:, d : d + n], non_blocking=True)
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="kv-direct-copy")
+        return _pool
 
 
-def _page_runs(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> list[tuple[int, int, int]]:
-    P = c.page_size
-    return contiguous_runs(host_idx[::P] // P, dev_idx[::P] // P)
+def _memcpy_all(dst_ptrs: list[int], src_ptrs: list[int], lengths: list[int]) -> None:
+    move = ctypes.memmove  # a foreign call: drops the GIL while copying
+    for d, s, n in zip(dst_ptrs, src_ptrs, lengths):
+        move(d, s, n)
 
 
-def load_page_first_direct(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:
-    P, item = c.page_size, c.device.shape[2:]
-    for hp, dp, n in _page_runs(c, host_idx, dev_idx):
-        dst = c.device[layer, dp * P : (dp + n) * P].view(n, P, *item)
-        dst.copy_(c.host[hp : hp + n, layer], non_blocking=True)
+def _check_bounds(offsets: list[int], lengths: list[int], t: torch.Tensor, what: str) -> None:
+    end = max(o + n for o, n in zip(offsets, lengths))
+    if min(offsets) < 0 or end > t.numel() * t.element_size():
+        raise RuntimeError(f"internal error: {what} copy range [{min(offsets)}, {end}) exceeds the buffer")
 
 
-def backup_page_first_direct(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
-    P, L, item = c.page_size, c.layer_num, c.device.shape[2:]
-    for hp, dp, n in _page_runs(c, host_idx, dev_idx):
-        src = c.device[:, dp * P : (dp + n) * P].view(L, n, P, *item).transpose(0, 1)
-        c.host[hp : hp + n].copy_(src, non_blocking=True)
+def copy_segments(src: torch.Tensor, dst: torch.Tensor, src_off: list[int], dst_off: list[int], lengths: list[int]) -> None:
+    """Copy byte ranges between two contiguous tensors (any devices)."""
+    if not lengths:
+        return
+    _check_bounds(src_off, lengths, src, "source")
+    _check_bounds(dst_off, lengths, dst, "destination")
+    if src.is_cuda or dst.is_cuda:
+        s, d = src.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+        for so, do, n in zip(src_off, dst_off, lengths):
+            d[do : do + n].copy_(s[so : so + n], non_blocking=True)
+        return
+    sb, db = src.data_ptr(), dst.data_ptr()
+    src_ptrs, dst_ptrs = [sb + o for o in src_off], [db + o for o in dst_off]
+    workers = max(1, min(torch.get_num_threads(), len(lengths), sum(lengths) // _MIN_BYTES_PER_WORKER))
+    if workers == 1:
+        _memcpy_all(dst_ptrs, src_ptrs, lengths)
+        return
+    futures = [
+        _executor(torch.get_num_threads()).submit(_memcpy_all, dst_ptrs[w::workers], src_ptrs[w::workers], lengths[w::workers])
+        for w in range(workers)
+    ]
+    for fut in futures:
+        fut.result()
+
+
+def load_per_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:
+    elem = c.host.element_size()
+    segs = page_segments(c.host_map, c.device_map, host_idx, dev_idx, range(layer, layer + 1), elem)
+    copy_segments(c.host, c.device, *segs)
+
+
+def backup_all_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
+    elem = c.host.element_size()
+    segs = page_segments(c.device_map, c.host_map, dev_idx, host_idx, range(c.layer_num), elem)
+    copy_segments(c.device, c.host, *segs)

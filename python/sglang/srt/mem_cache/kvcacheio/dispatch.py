@@ -39,10 +39,7 @@ def _noop_backup(c, host_idx, dev_idx):
 
 
 KERNEL = IORoutine("kernel", kernel.load_per_layer, kernel.backup_all_layer)
-DIRECT_LAYER_FIRST = IORoutine("direct_layer_first", direct.load_layer_first, direct.backup_layer_first)
-DIRECT_PAGE_FIRST_DIRECT = IORoutine(
-    "direct_page_first_direct", direct.load_page_first_direct, direct.backup_page_first_direct
-)
+DIRECT = IORoutine("direct", direct.load_per_layer, direct.backup_all_layer)
 NOOP = IORoutine("noop", _noop_load, _noop_backup)
 
 LF, PF, PFD, PH = (
@@ -53,26 +50,23 @@ LF, PF, PFD, PH = (
 )
 K, D = IOBackend.KERNEL, IOBackend.DIRECT
 
+_NO_PAGE_HEAD_KINDS = (
+    PoolKind.MLA,
+    PoolKind.ASYMMETRIC_MHA,
+    PoolKind.MAMBA,
+    PoolKind.DSA_INDEXER,
+    PoolKind.DSV4_STATE,
+)
+
 # (kind, layout, io_backend) -> routine. page_first is kernel-only (direct would need one
-# strided copy per token); page_head only makes sense for MHA heads; the logical anchor has no
-# bytes, so every cell is a no-op.
+# copy per token); page_head only makes sense for MHA heads (the asymmetric pool's K and V
+# heads differ in size, so it stays page-major); the logical anchor has no bytes, so every
+# cell is a no-op.
 IO_TABLE: dict[tuple[PoolKind, HostLayout, IOBackend], IORoutine] = {
     **{(PoolKind.MHA, lay, K): KERNEL for lay in (LF, PF, PFD, PH)},
-    (PoolKind.MHA, LF, D): DIRECT_LAYER_FIRST,
-    (PoolKind.MHA, PFD, D): DIRECT_PAGE_FIRST_DIRECT,
-    **{
-        (kind, lay, K): KERNEL
-        for kind in (PoolKind.MLA, PoolKind.ASYMMETRIC_MHA, PoolKind.MAMBA, PoolKind.DSA_INDEXER, PoolKind.DSV4_STATE)
-        for lay in (LF, PF, PFD)
-    },
-    **{
-        (kind, LF, D): DIRECT_LAYER_FIRST
-        for kind in (PoolKind.MLA, PoolKind.ASYMMETRIC_MHA, PoolKind.MAMBA, PoolKind.DSA_INDEXER, PoolKind.DSV4_STATE)
-    },
-    **{
-        (kind, PFD, D): DIRECT_PAGE_FIRST_DIRECT
-        for kind in (PoolKind.MLA, PoolKind.ASYMMETRIC_MHA, PoolKind.MAMBA, PoolKind.DSA_INDEXER, PoolKind.DSV4_STATE)
-    },
+    **{(PoolKind.MHA, lay, D): DIRECT for lay in (LF, PFD)},
+    **{(kind, lay, K): KERNEL for kind in _NO_PAGE_HEAD_KINDS for lay in (LF, PF, PFD)},
+    **{(kind, lay, D): DIRECT for kind in _NO_PAGE_HEAD_KINDS for lay in (LF, PFD)},
     **{(PoolKind.DSV4_ANCHOR, lay, io): NOOP for lay in (LF, PF, PFD) for io in (K, D)},
 }
 
