@@ -6,6 +6,7 @@ from sglang.srt.mem_cache.memory_pool.dsv4 import DeepSeekV4StatePool, LogicalAn
 from sglang.srt.mem_cache.memory_pool.mamba import MambaPool
 from sglang.srt.mem_cache.memory_pool.mha import AsymmetricMHATokenToKVPool, MHATokenToKVPool
 from sglang.srt.mem_cache.memory_pool.mla import MLATokenToKVPool
+from sglang.srt.mem_cache.memory_pool.req_to_token import ReqToTokenPool
 
 __all__ = [
     "AsymmetricMHATokenToKVPool",
@@ -18,4 +19,5 @@ __all__ = [
     "MLATokenToKVPool",
     "MambaPool",
     "PoolKind",
+    "ReqToTokenPool",
 ]

@@ -306,11 +306,11 @@ class HostKVCache:
         consecutive pages of the same buffer are a multiple of ``alignment`` apart."""
         if self.page_num == 0 or not self.components:
             return True
-        first, _ = self.get_page_buffer_meta(torch.arange(self.page_size))
+        first, sizes = self.get_page_buffer_meta(torch.arange(self.page_size))
         if any(p % alignment for p in first):
             return False
-        if self.page_num == 1:
-            return True
+        if self.page_num == 1:  # no second page: the stride is the buffer size
+            return all(s % alignment == 0 for s in sizes)
         second, _ = self.get_page_buffer_meta(torch.arange(self.page_size, 2 * self.page_size))
         return all((b - a) % alignment == 0 for a, b in zip(first, second))
 

@@ -14,8 +14,19 @@ class MambaPoolHost(HostKVCache):
 
     kind = PoolKind.MAMBA
 
-    def __init__(self, device_pool, host_to_device_ratio: float = 2.0, host_size_gb: float = 0.0,
-                 layout=HostLayout.PAGE_FIRST_DIRECT, io_backend=None, pin_memory=None, size=None):
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float = 2.0,
+        host_size_gb: float = 0.0,
+        page_size: int | None = None,
+        layout=HostLayout.PAGE_FIRST_DIRECT,
+        io_backend=None,
+        pin_memory=None,
+        size=None,
+    ):
+        if page_size not in (None, 1):
+            raise ValueError(f"MambaPoolHost holds one slot per request: page_size must be 1, got {page_size}")
         super().__init__(device_pool, host_to_device_ratio, host_size_gb, 1, layout, io_backend, pin_memory, size)
 
     @property

@@ -1,0 +1,29 @@
+"""Tensor-parallel process groups and collectives (gloo on CPU, nccl on CUDA)."""
+
+from sglang.srt.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_cpu_all_reduce_min,
+)
+from sglang.srt.distributed.parallel_state import (
+    GroupCoordinator,
+    destroy_model_parallel,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    get_tp_group,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+
+__all__ = [
+    "GroupCoordinator",
+    "destroy_model_parallel",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_tp_group",
+    "init_distributed_environment",
+    "initialize_model_parallel",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_cpu_all_reduce_min",
+]

@@ -1,0 +1,1 @@
+"""Model layers: TP linear, rotary, norms, embeddings, attention, logits and sampling."""

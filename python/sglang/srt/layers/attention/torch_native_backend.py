@@ -1,0 +1,137 @@
+"""Paged attention in plain torch, on CPU and CUDA alike.
+
+Each request attends on its own, in batch order, in fp32: its keys and values are gathered from
+the device pool by token slot (``req_to_token``), so prefix KV computed in an earlier forward and
+KV written in this one are read the same way. Queries are processed in chunks of at most
+``q_block`` rows; keys in blocks of ``key_block`` slots aligned to absolute position 0.
+
+Why this shape: a token's output must not depend on which forward computed its prefix, on how
+many tokens share its chunk, or on the other requests in the batch (batch invariance). So
+
+* every GEMM has at least ``MIN_GEMM_ROWS`` rows (BLAS uses other kernels below that);
+* the softmax numerator and denominator are summed per key block with a fixed reduction length
+  ``key_block``, and the per-block partial sums are combined by a pairwise tree over a
+  power-of-two number of blocks. Blocks past a row's causal limit contribute exact zeros, so
+  a row sees the same arithmetic whether it is a decode step or one row of a long prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers.linear import MIN_GEMM_ROWS
+
+
+@dataclass(frozen=True)
+class AttnChunk:
+    """Query rows ``[q_start, q_start + q_len)`` of the batch (one request) attending the
+    request's first ``num_keys`` tokens. ``token_slots`` lists their slots padded with slot 0
+    (the pool's reserved padding page) to ``num_blocks`` whole key blocks.
+
+    Only key blocks from ``first_masked_block`` on can hold keys past a row's position;
+    ``tail_masked_out`` (blocks, 1, padded rows, key_block) is True there where a row must not
+    look, so earlier blocks are never masked."""
+
+    q_start: int
+    q_len: int
+    padded_rows: int
+    num_keys: int
+    num_blocks: int
+    token_slots: torch.Tensor
+    first_masked_block: int
+    tail_masked_out: torch.Tensor
+
+
+def tree_sum_blocks(partial: torch.Tensor) -> torch.Tensor:
+    """Sum ``partial`` (H, num_blocks, ...) over dim 1 by a pairwise tree over a power-of-two
+    block count: trailing all-zero blocks never change the result."""
+    num_blocks = partial.shape[1]
+    width = 1 << (num_blocks - 1).bit_length()
+    if width != num_blocks:
+        pad = partial.new_zeros(partial.shape[0], width - num_blocks, *partial.shape[2:])
+        partial = torch.cat([partial, pad], dim=1)
+    while partial.shape[1] > 1:
+        partial = partial[:, 0::2] + partial[:, 1::2]
+    return partial[:, 0]
+
+
+class TorchNativeAttnBackend:
+    def __init__(self, device: str | torch.device, key_block: int = 128, q_block: int = 256):
+        if key_block < 1 or q_block < 1:
+            raise ValueError(f"key_block and q_block must be >= 1, got {key_block}, {q_block}")
+        self.device = torch.device(device)
+        self.key_block = key_block
+        self.q_block = q_block
+        self.forward_metadata: list[AttnChunk] = []
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Plan the chunks of one forward (shared by all layers). Reads ``req_to_token``."""
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        chunks = []
+        q_start = 0
+        for req_idx, prefix_len, extend_len in zip(
+            forward_batch.req_pool_indices.tolist(),
+            forward_batch.extend_prefix_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+        ):
+            slots = req_to_token[req_idx, : prefix_len + extend_len].to(self.device, torch.int64)
+            for c0 in range(0, extend_len, self.q_block):
+                c1 = min(extend_len, c0 + self.q_block)
+                chunks.append(self._plan_chunk(q_start + c0, prefix_len + c0, c1 - c0, slots[: prefix_len + c1]))
+            q_start += extend_len
+        self.forward_metadata = chunks
+
+    def _plan_chunk(self, q_start: int, first_pos: int, q_len: int, token_slots: torch.Tensor) -> AttnChunk:
+        num_keys, block = token_slots.numel(), self.key_block
+        num_blocks = -(-num_keys // block)
+        padded_slots = F.pad(token_slots, (0, num_blocks * block - num_keys))
+        padded_rows = max(q_len, MIN_GEMM_ROWS)
+        first_masked = min((first_pos + 1) // block, num_blocks - 1)
+        # Padded rows repeat the last real key position: finite, ignored.
+        pos = torch.arange(first_pos, first_pos + padded_rows, device=self.device).clamp(max=num_keys - 1)
+        keys = torch.arange(first_masked * block, num_blocks * block, device=self.device).view(-1, 1, 1, block)
+        tail_masked_out = keys > pos.view(1, 1, -1, 1)
+        return AttnChunk(
+            q_start, q_len, padded_rows, num_keys, num_blocks, padded_slots, first_masked, tail_masked_out
+        )
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        """``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D) -> (T, Hq * D). Writes k/v to the pool at
+        ``forward_batch.out_cache_loc`` first, then reads every key through the pool."""
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf = pool.get_key_buffer(layer.layer_id)
+        v_buf = pool.get_value_buffer(layer.layer_id)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.head_dim)
+        for chunk in self.forward_metadata:
+            rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+            out[rows] = self._attend(q[rows], k_buf, v_buf, chunk, layer).to(out.dtype)
+        return out
+
+    def _attend(self, q: torch.Tensor, k_buf, v_buf, chunk: AttnChunk, layer) -> torch.Tensor:
+        """One chunk, fp32: scores per key block (heads, blocks, rows, key_block); per block the
+        softmax numerator (P @ V) and denominator (row sums of P), then the fixed-order tree
+        over blocks."""
+        num_kv, head_dim, block = layer.tp_k_head_num, layer.head_dim, self.key_block
+        group, rows, nb = layer.tp_q_head_num // num_kv, chunk.padded_rows, chunk.num_blocks
+
+        q = F.pad(q.float() * layer.scaling, (0, 0, 0, 0, 0, rows - chunk.q_len))
+        q = q.view(rows, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, 1, group * rows, head_dim)
+        keys = k_buf.index_select(0, chunk.token_slots).float()  # (nb * block, Hkv, D)
+        vals = v_buf.index_select(0, chunk.token_slots).float()
+        vals[chunk.num_keys :] = 0  # padding slots: P is 0 there, but 0 * NaN would not be
+        keys = keys.view(nb, block, num_kv, head_dim).permute(2, 0, 3, 1)  # (Hkv, nb, D, block)
+        vals = vals.view(nb, block, num_kv, head_dim).permute(2, 0, 1, 3)  # (Hkv, nb, block, D)
+
+        scores = torch.matmul(q, keys)  # (Hkv, nb, group * rows, block)
+        by_row = scores.view(num_kv, nb, group, rows, block)
+        by_row[:, chunk.first_masked_block :].masked_fill_(chunk.tail_masked_out, float("-inf"))
+        by_row.sub_(by_row.amax(dim=(1, 4), keepdim=True)).exp_()
+        numerator = tree_sum_blocks(torch.matmul(scores, vals))
+        denominator = tree_sum_blocks(scores.sum(dim=-1, keepdim=True))
+        out = (numerator / denominator).view(num_kv, group, rows, head_dim).permute(2, 0, 1, 3)
+        return out.reshape(rows, -1)[: chunk.q_len]

@@ -1,0 +1,55 @@
+"""Capacity accounting with least-recently-used eviction for the file backend.
+
+The evictor only keeps the books (name -> bytes, in use order); the backend deletes the files
+it names. It knows the files this process saw (at startup scan, write or read), so several
+processes sharing one directory each keep within their own view of the cap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+
+class LRUEvictor:
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self._entries: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reserve(self, name: str, nbytes: int) -> list[str] | None:
+        """Account ``nbytes`` for ``name`` (replacing its old size) and return the names to
+        evict to stay within capacity, oldest first; None when ``nbytes`` alone exceeds it."""
+        if nbytes > self.capacity_bytes:
+            return None
+        with self._lock:
+            self.used_bytes -= self._entries.pop(name, 0)
+            victims = []
+            while self.used_bytes + nbytes > self.capacity_bytes and self._entries:
+                victim, size = self._entries.popitem(last=False)
+                self.used_bytes -= size
+                victims.append(victim)
+            self._entries[name] = nbytes
+            self.used_bytes += nbytes
+            return victims
+
+    def touch(self, name: str) -> None:
+        """Mark ``name`` as just used (no-op when unknown)."""
+        with self._lock:
+            if name in self._entries:
+                self._entries.move_to_end(name)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self.used_bytes -= self._entries.pop(name, 0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.used_bytes = 0

@@ -1,0 +1,231 @@
+"""HiCacheNixl: L3 pages through a NIXL agent (POSIX files or an S3-compatible OBJ bucket).
+
+Every page of every registered pool is one object per component (``_k``/``_v``,
+``_mamba_temporal``, ``_mamba_conv_<i>``, ``_indexer_k``/``_indexer_v``, ``_marker`` for the
+logical anchor), each ``payload || 4096-byte integrity trailer``. A batch of pages, whatever
+pools they belong to, moves in one NIXL transfer per direction (per ``bounce_pages`` chunk).
+NIXL's result is all-or-nothing, so when a chunk fails it is retried page by page to find the
+culprits: a wrong-sized object is a corruption (removed), anything else a counted failure.
+See ``README.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sglang.srt.mem_cache.hicache_storage import StorageBackendError
+from sglang.srt.mem_cache.storage.integrity import page_digest, page_is_whole
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, StorageKind, parse_nixl_options
+from sglang.srt.mem_cache.storage.nixl.nixl_io import NixlIO
+from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext, build_context
+from sglang.srt.mem_cache.storage.nixl.storage_side import ObjSide, PosixSide
+from sglang.srt.mem_cache.storage.nixl.transfer_plan import Item, Planned, SlotCounter, descriptors
+from sglang.srt.mem_cache.storage.paged_storage import PagedStorage
+from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
+
+logger = logging.getLogger(__name__)
+
+TRAILER_BYTES = 4096
+SIDES = {StorageKind.FILE: PosixSide, StorageKind.OBJ: ObjSide}
+# Whether a missing object must be ruled out before a READ (OBJ fails the whole transfer on one;
+# for files, opening them tells).
+PRECHECK_READS = {StorageKind.FILE: False, StorageKind.OBJ: True}
+POSIX_ENGINES = ("use_uring", "use_aio", "use_posix_aio")
+
+
+class HiCacheNixl(PagedStorage):
+    object_format = f"nixl-component/t{TRAILER_BYTES}"
+    per_component = True
+
+    def __init__(self, storage_config, mem_pool_host=None):
+        self.options = parse_nixl_options(storage_config.extra_config)
+        kind = self.options.spec.kind
+        self.side = SIDES[kind](self.options)
+        if self.options.use_direct_io is DirectIO.TRUE and kind is StorageKind.FILE and not self.side.direct_supported:
+            raise ValueError(f"nixl backend: extra config key 'use_direct_io' is true but {self.options.storage_dir} "
+                             f"does not support O_DIRECT; allowed: auto, false")
+        self.precheck_reads = PRECHECK_READS[kind]
+        self.io = NixlIO(self.options, self._preferred_params())
+        self.contexts: dict[PoolName, NixlPoolContext] = {}
+        self._read_lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        super().__init__(storage_config, mem_pool_host)
+
+    def _preferred_params(self) -> tuple[dict, ...]:
+        """With O_DIRECT possible and no I/O engine chosen, try io_uring first: the POSIX
+        plugin's default (Linux AIO) writes new O_DIRECT files ~50x slower here."""
+        params = self.options.plugin_params
+        direct = self.options.use_direct_io is not DirectIO.FALSE and self.side.direct_supported
+        if self.options.spec.kind is StorageKind.FILE and direct and not set(params) & set(POSIX_ENGINES):
+            return ({**params, "use_uring": "true"},)
+        return ()
+
+    def _on_register(self, codec: PoolCodec) -> None:
+        ctx = build_context(codec, self.options, self.side.direct_supported, TRAILER_BYTES)
+        self.io.register_dram([ctx.set_area.tensor, ctx.get_area.tensor])
+        if ctx.zero_copy:
+            self.io.register_dram(codec.host_pool.get_host_buffers())
+        self.contexts[codec.name] = ctx
+
+    # ---- existence ----------------------------------------------------------------------
+    def _exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
+        expected = [s.nbytes + TRAILER_BYTES for s in codec.segments] * (len(names) // len(codec.segments))
+        out = []
+        for name, size, want in zip(names, self.side.sizes(self.io, names), expected):
+            if size is not None and size not in (-1, want):  # truncated, zero-length or grown
+                self._drop(name)
+                size = None
+            out.append(size is not None)
+        return out
+
+    def _drop(self, name: str) -> None:
+        self.stats.add(corruptions=1)
+        logger.warning("HiCacheNixl: %s failed its integrity check; removed", name)
+        self.side.remove(name)
+
+    # ---- moving planned pages -----------------------------------------------------------
+    def _chunks(self, pages: list[PageIO]):
+        step = self.options.bounce_pages
+        return (pages[i : i + step] for i in range(0, len(pages), step))
+
+    def _move(self, op: str, planned: list[Planned]) -> list[bool]:
+        """One transfer for every planned page; on failure, page by page to isolate the bad ones."""
+        if not planned:
+            return []
+        try:
+            self.io.transfer(op, *descriptors(planned))
+            return [True] * len(planned)
+        except StorageBackendError as exc:
+            if len(planned) > 1:
+                logger.info("HiCacheNixl: %s of %d pages failed (%s); retrying page by page", op, len(planned), exc)
+                return [self._move(op, [p])[0] for p in planned]
+            self._explain_failure(op, planned[0][1], exc)
+            return [False]
+
+    def _explain_failure(self, op: str, items: list[Item], exc: Exception) -> None:
+        if op == "READ":
+            for item in items:
+                size = self.side.stored_size(item.obj.name)
+                if size is not None and size != item.stored_bytes:
+                    self._drop(item.obj.name)
+                    return
+        self.stats.add(failures=1)
+        logger.warning("HiCacheNixl: %s of %s failed: %s", op, items[0].obj.name if items else "?", exc)
+
+    # ---- read ---------------------------------------------------------------------------
+    def _read_pages(self, pages: list[PageIO]) -> list[bool]:
+        with self._read_lock:
+            done: dict[int, bool] = {}
+            for chunk in self._chunks(pages):
+                done.update(self._read_chunk(chunk))
+            return [done.get(id(p), False) for p in pages]
+
+    def _absent(self, pages: list[PageIO]) -> set[str]:
+        if not self.precheck_reads:
+            return set()
+        names = [o.name for p in pages for o in p.objects]
+        return {n for n, size in zip(names, self.side.sizes(self.io, names)) if size is None}
+
+    def _open_page(self, page: PageIO, absent: set[str], counter: SlotCounter) -> list[Item] | None:
+        """Open every object of ``page`` for reading; None (all closed) when one is absent or
+        has the wrong size (a corruption, dropped)."""
+        ctx, items = self.contexts[page.codec.name], []
+        for obj in page.objects:
+            target, size = (None, None) if obj.name in absent else self.side.open_read(obj.name, ctx.direct)
+            if target is not None and size not in (-1, obj.nbytes + TRAILER_BYTES):
+                self.side.finish(target, commit=False)
+                self._drop(obj.name)
+                target = None
+            if target is None:
+                for item in items:
+                    self.side.finish(item.target, commit=False)
+                return None
+            items.append(Item(obj, ctx, target, counter.take(ctx, write=False), TRAILER_BYTES))
+            items[-1].prepare_read()
+        return items
+
+    def _read_chunk(self, pages: list[PageIO]) -> dict[int, bool]:
+        absent, counter, planned = self._absent(pages), SlotCounter(), []
+        try:
+            for page in pages:
+                items = self._open_page(page, absent, counter)
+                if items is not None:
+                    planned.append((page, items))
+            moved = self._move("READ", planned)
+        finally:
+            for _, items in planned:
+                for item in items:
+                    self.side.finish(item.target, commit=False)
+        done = {}
+        for (page, items), ok in zip(planned, moved):
+            ok = ok and self._verify(items)
+            if ok:
+                for item in items:
+                    item.unbounce()
+            elif self.contexts[page.codec.name].zero_copy:
+                page.zero()  # no unverified byte stays in the host pool
+            done[id(page)] = ok
+        return done
+
+    def _verify(self, items: list[Item]) -> bool:
+        """Every object verifies and all come from one page write; bad objects are dropped."""
+        results = [item.read_result() for item in items]
+        if page_is_whole(results):
+            return True
+        whole_objects = all(r is not None for r in results)  # then: torn between two page writes
+        for item, result in zip(items, results):
+            if result is None or whole_objects:
+                self._drop(item.obj.name)
+        return False
+
+    # ---- write --------------------------------------------------------------------------
+    def _write_pages(self, pages: list[PageIO]) -> list[bool]:
+        with self._write_lock:
+            flags = []
+            for chunk in self._chunks(pages):
+                flags.extend(self._write_chunk(chunk))
+            return flags
+
+    def _write_chunk(self, pages: list[PageIO]) -> list[bool]:
+        counter, planned = SlotCounter(), []
+        try:
+            for page in pages:
+                ctx, items = self.contexts[page.codec.name], []
+                planned.append((page, items))
+                for obj in page.objects:
+                    item = Item(obj, ctx, self.side.open_write(obj.name, ctx.direct), counter.take(ctx, True), TRAILER_BYTES)
+                    items.append(item)
+                checksums = [item.stage_payload() for item in items]
+                digest = page_digest(checksums)
+                for item, checksum in zip(items, checksums):
+                    item.stage_trailer(checksum, digest)
+            moved = self._move("WRITE", planned)
+        except OSError:
+            self.stats.add(failures=1)
+            logger.warning("HiCacheNixl: preparing a write of %d pages failed", len(pages), exc_info=True)
+            moved = [False] * len(pages)
+        return [self._commit(items, ok) for (_, items), ok in zip(planned, moved)] + [False] * (len(pages) - len(planned))
+
+    def _commit(self, items: list[Item], ok: bool) -> bool:
+        """Rename every written object of a page into place, under the page's lock so that two
+        writers' renames do not interleave (or drop the temporaries when ``ok`` is False)."""
+        with self.side.page_lock(items[0].obj.name if items and ok else None):
+            for item in items:
+                try:
+                    self.side.finish(item.target, commit=ok)
+                except OSError:
+                    self.stats.add(failures=1)
+                    logger.warning("HiCacheNixl: committing %s failed", item.obj.name, exc_info=True)
+                    ok = False
+        return ok
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def clear(self) -> None:
+        self.side.clear()
+
+    def _close(self) -> None:
+        with self._read_lock, self._write_lock:
+            self.io.close()
+            self.side.close()

@@ -1,0 +1,127 @@
+"""A NIXL agent with one storage plugin: registration, batched transfers and existence queries.
+
+This is the adapter boundary: every NIXL error (an exception, an "ERR" state, a timeout) leaves
+as :class:`StorageBackendError`. NIXL is imported here, when a backend is built, not before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import numpy as np
+
+from sglang.srt.mem_cache.hicache_storage import StorageBackendError
+from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
+
+logger = logging.getLogger(__name__)
+
+_YIELD_POLLS = 256  # polls that only yield the CPU (NIXL's threads need it) before sleeping
+_POLL_SLEEP_S = 5e-5
+
+
+class NixlIO:
+    def __init__(self, options: NixlOptions, preferred_params: tuple[dict, ...] = ()):
+        """``preferred_params``: plugin parameters to try, in order, before the configured ones
+        (a default the host may not support, such as io_uring)."""
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as exc:
+            raise ValueError(f"storage backend 'nixl' needs the nixl package (pip install nixl-cu12): {exc}") from exc
+        spec = options.spec
+        conf = nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        self.agent = nixl_agent(f"sglang-hicache-{uuid.uuid4().hex[:12]}", conf)
+        if spec.nixl_name not in self.agent.get_plugin_list():
+            raise ValueError(f"NIXL plugin {spec.nixl_name} is not available; available: {self.agent.get_plugin_list()}")
+        self._check_params(spec.nixl_name, options.plugin_params)
+        self._create_backend(spec.nixl_name, [*preferred_params, dict(options.plugin_params)])
+        self.backend = spec.nixl_name
+        self.mem_type = spec.kind.value
+        self.timeout_s = options.transfer_timeout_s
+        self._dram_regs = []
+        logger.info("NIXL agent %s with plugin %s", self.agent.name, spec.nixl_name)
+
+    def _create_backend(self, plugin: str, candidates: list[dict]) -> None:
+        for i, params in enumerate(candidates):
+            try:
+                self.agent.create_backend(plugin, params)
+                logger.info("NIXL plugin %s created with %s", plugin, params)
+                return
+            except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
+                if i == len(candidates) - 1:
+                    raise ValueError(f"NIXL plugin {plugin} refused extra config 'plugin_params' {params}: {exc}") from exc
+                logger.info("NIXL plugin %s refused %s (%s); trying the next setting", plugin, params, exc)
+
+    def _check_params(self, plugin: str, params: dict) -> None:
+        allowed = self.agent.get_plugin_params(plugin)
+        unknown = sorted(set(params) - set(allowed))
+        if allowed and unknown:
+            raise ValueError(f"nixl backend: unknown extra config key 'plugin_params.{unknown[0]}' for {plugin}; "
+                             f"allowed: {', '.join(sorted(allowed))}")
+
+    def register_dram(self, tensors: list) -> None:
+        """Register host memory (uint8 CPU tensors) for the agent's lifetime."""
+        tensors = [t for t in tensors if t.numel()]
+        if tensors:
+            self._dram_regs.append(self._call("register host memory", self.agent.register_memory, tensors))
+
+    def transfer(self, op: str, dram: list[tuple[int, int]], storage: list[tuple[int, int, int]],
+                 storage_regs: list[tuple[int, int, int, str]]) -> None:
+        """One ``op`` ("READ" or "WRITE") moving ``dram[i]`` = (ptr, len) <-> ``storage[i]`` =
+        (offset, len, dev_id); ``storage_regs`` = (0, 0, dev_id, meta) are registered for the
+        duration. Returns when done; StorageBackendError on failure or timeout (all or nothing)."""
+        if not dram:
+            return
+        local = np.array([(p, n, 0) for p, n in dram], dtype=np.uint64)
+        remote = np.array(storage, dtype=np.uint64)
+        reg = self._call("register storage", self.agent.register_memory, storage_regs, self.mem_type)
+        handle = None
+        try:
+            local_descs = self.agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self.agent.get_xfer_descs(remote, self.mem_type)
+            handle = self._call(f"{op} setup", self.agent.initialize_xfer, op, local_descs, remote_descs, self.agent.name)
+            self._wait(op, handle, self._call(f"{op} post", self.agent.transfer, handle))
+        finally:
+            if handle is not None:
+                _quiet(handle.release)
+            _quiet(self.agent.deregister_memory, reg)
+
+    def _wait(self, op: str, handle, state: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        polls = 0
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise StorageBackendError(f"NIXL {self.backend} {op} timed out after {self.timeout_s}s")
+            polls += 1
+            time.sleep(0 if polls < _YIELD_POLLS else _POLL_SLEEP_S)
+            state = self._call(f"{op} poll", self.agent.check_xfer_state, handle)
+        if state != "DONE":
+            raise StorageBackendError(f"NIXL {self.backend} {op} ended in state {state}")
+
+    def query(self, regs: list[tuple[int, int, int, str]]) -> list[dict | None]:
+        """Per (0, 0, dev_id, meta): the plugin's info dict when present, else None."""
+        if not regs:
+            return []
+        return list(self._call("query", self.agent.query_memory, regs, self.backend, self.mem_type))
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except StorageBackendError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - binding errors carry NIXL status codes
+            raise StorageBackendError(f"NIXL {self.backend} {what} failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        for reg in self._dram_regs:
+            _quiet(self.agent.deregister_memory, reg)
+        self._dram_regs.clear()
+        self.agent = None
+
+
+def _quiet(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - cleanup after a failure must not mask it
+        logger.debug("NIXL cleanup call %s failed", getattr(fn, "__name__", fn), exc_info=True)

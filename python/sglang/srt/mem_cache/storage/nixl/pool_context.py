@@ -1,0 +1,78 @@
+"""Per-pool NIXL state: zero-copy or bounce buffers, O_DIRECT or not, and staging slots.
+
+* zero-copy (POSIX plugin, page-contiguous layouts: ``page_first``, ``page_first_direct``,
+  ``page_head``): the pool's host buffers are registered once and each object's payload moves
+  straight between them and the file; only the integrity trailer passes through a staging slot.
+* bounce (``layer_first``, whose pages are scattered over layers, and every pool with the OBJ
+  plugin, whose objects must be written in one piece): each object is assembled as
+  ``payload || trailer`` in a byte (uint8) slot sized from the flat page, never from the pool's
+  dtype, and copied to or from the host pool byte for byte.
+
+Each context has two staging areas, one for set and one for get, so the backup and prefetch
+threads never share one. O_DIRECT is used for a pool when the extra config allows it, the
+filesystem supports it, and every offset, length and address of its objects is 4096-aligned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.mem_cache.pool_host.memory import HostBuffer
+from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, NixlOptions, StorageKind
+from sglang.srt.mem_cache.storage.pool_codec import PoolCodec
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class StagingArea:
+    """``num_slots`` byte slots of ``slot_bytes`` each in one page-aligned buffer."""
+
+    def __init__(self, slot_bytes: int, num_slots: int):
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self._buffer = HostBuffer(slot_bytes * num_slots, pin_memory=False)
+        self.tensor = self._buffer.tensor
+
+    def slot(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.num_slots:
+            raise IndexError(f"staging slot {i} outside [0, {self.num_slots})")
+        return self.tensor[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+
+
+@dataclass
+class NixlPoolContext:
+    codec: PoolCodec
+    zero_copy: bool
+    direct: bool
+    set_area: StagingArea
+    get_area: StagingArea
+
+
+def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool, trailer_bytes: int) -> NixlPoolContext:
+    pool = codec.host_pool
+    zero_copy = options.spec.kind is StorageKind.FILE and (codec.is_marker or pool.layout.page_contiguous)
+    aligned = all(s.nbytes % ALIGN == 0 for s in codec.segments) and (
+        not zero_copy or codec.is_marker or pool.is_stride_page_aligned(ALIGN)
+    )
+    direct = options.use_direct_io is not DirectIO.FALSE and direct_supported and aligned
+    largest = max(s.nbytes for s in codec.segments)
+    slot_bytes = trailer_bytes if zero_copy else round_up(largest + trailer_bytes)
+    slots = options.bounce_pages * len(codec.segments)
+    ctx = NixlPoolContext(codec, zero_copy, direct, StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots))
+    logger.info(
+        "HiCacheNixl pool %s: %s, O_DIRECT %s, staging 2 x %.1f MiB",
+        codec.name.value,
+        "zero-copy" if zero_copy else "bounce buffers",
+        "on" if direct else "off",
+        slot_bytes * slots / (1 << 20),
+    )
+    return ctx

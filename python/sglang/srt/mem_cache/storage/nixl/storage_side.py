@@ -1,0 +1,214 @@
+"""The storage side of a NIXL transfer: files for the POSIX plugin, objects for the OBJ plugin.
+
+Each side turns an object name into a NIXL device id + metadata for one transfer and makes
+writes atomic: POSIX writes a private temporary file and renames it over the final name; an
+S3 PUT is atomic by itself. Files live at ``<root>/<name[:2]>/<name>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+
+
+@dataclass
+class Target:
+    name: str
+    dev_id: int
+    meta: str  # metaInfo NIXL registers the device id with ("" for files, the key for objects)
+    tmp_path: str = ""
+
+    @property
+    def reg(self) -> tuple[int, int, int, str]:
+        return (0, 0, self.dev_id, self.meta)
+
+
+class PosixSide:
+    """Files under a root directory; the device id is an open file descriptor."""
+
+    def __init__(self, options: NixlOptions):
+        self.root = options.storage_dir
+        os.makedirs(self.root, exist_ok=True)
+        self.direct_supported = probe_direct_io(self.root)
+        self._tmp_ids = itertools.count()
+        self._lock_fds: dict[str, int] = {}
+        os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
+
+    @contextlib.contextmanager
+    def page_lock(self, name: str | None):
+        """Exclusive flock (one of 4096 stripes, by name) across processes; no-op for None."""
+        if name is None:
+            yield
+            return
+        stripe = name[:3]
+        fd = self._lock_fds.get(stripe)
+        if fd is None:
+            fd = self._lock_fds[stripe] = os.open(os.path.join(self.root, ".locks", stripe), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        for fd in self._lock_fds.values():
+            os.close(fd)
+        self._lock_fds.clear()
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name[:2], name)
+
+    def sizes(self, io, names: list[str]) -> list[int | None]:
+        """Stored size of each object (None when absent)."""
+        infos = io.query([(0, 0, 0, self.path(n)) for n in names])
+        return [None if info is None else int(info.get("size", -1)) for info in infos]
+
+    def stored_size(self, name: str) -> int | None:
+        try:
+            return os.stat(self.path(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def open_read(self, name: str, direct: bool) -> tuple[Target | None, int | None]:
+        """(target, stored size); (None, None) when absent."""
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return None, None
+        return Target(name, fd, ""), os.fstat(fd).st_size
+
+    def open_write(self, name: str, direct: bool) -> Target:
+        path = self.path(name)
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
+        return Target(name, fd, "", tmp)
+
+    def finish(self, target: Target, commit: bool) -> None:
+        """Close; a write is renamed into place when ``commit``, else its temp file removed."""
+        os.close(target.dev_id)
+        if target.tmp_path:
+            if commit:
+                os.replace(target.tmp_path, self.path(target.name))
+            else:
+                _unlink(target.tmp_path)
+
+    def remove(self, name: str) -> None:
+        _unlink(self.path(name))
+
+    def clear(self) -> None:
+        for bucket in os.scandir(self.root):
+            if bucket.is_dir() and len(bucket.name) == 2:
+                for entry in os.scandir(bucket.path):
+                    _unlink(entry.path)
+
+
+class ObjSide:
+    """Objects in one bucket; the device id is a process-unique number bound to the key."""
+
+    direct_supported = False
+
+    def __init__(self, options: NixlOptions):
+        self.params = options.plugin_params
+        self._ids = itertools.count(1)
+        self._client = None
+
+    def sizes(self, io, names: list[str]) -> list[int | None]:
+        """-1 for a present object (the plugin does not report sizes), None when absent."""
+        infos = io.query([(0, 0, next(self._ids), n) for n in names])
+        return [None if info is None else -1 for info in infos]
+
+    def page_lock(self, name: str | None):
+        """No cross-client lock on S3: concurrent writers of one page may leave a torn page,
+        which readers detect by its page digest (a miss, removed)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+    def stored_size(self, name: str) -> int | None:
+        """Size from the S3 API (boto3), used only to explain a failed read; None if unknown."""
+        client = self._s3()
+        try:
+            return None if client is None else int(client.head_object(Bucket=self.params["bucket"], Key=name)["ContentLength"])
+        except Exception:  # noqa: BLE001 - an unexplained failure stays a counted failure
+            return None
+
+    def open_read(self, name: str, direct: bool) -> tuple[Target, int]:
+        return Target(name, next(self._ids), name), -1
+
+    def open_write(self, name: str, direct: bool) -> Target:
+        return Target(name, next(self._ids), name)
+
+    def finish(self, target: Target, commit: bool) -> None:
+        pass
+
+    def remove(self, name: str) -> None:
+        """Delete through the S3 API (boto3) when available; NIXL has no delete."""
+        client = self._s3()
+        if client is None:
+            logger.warning("cannot delete object %s: boto3 is not installed", name)
+            return
+        try:
+            client.delete_object(Bucket=self.params["bucket"], Key=name)
+        except Exception:  # noqa: BLE001 - removal is best effort; the read already missed
+            logger.warning("deleting object %s failed", name, exc_info=True)
+
+    def _s3(self):
+        if self._client is None:
+            try:
+                import boto3
+            except ImportError:
+                return None
+            p = self.params
+            endpoint = p.get("endpoint_override")
+            if endpoint and "://" not in endpoint:
+                endpoint = f"{p.get('scheme', 'https')}://{endpoint}"
+            self._client = boto3.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name=p.get("region"),
+                aws_access_key_id=p.get("access_key"),
+                aws_secret_access_key=p.get("secret_key"),
+            )
+        return self._client
+
+    def clear(self) -> None:
+        logger.warning("clear() is not supported for the NIXL OBJ plugin; delete the bucket's objects instead")
+
+
+def probe_direct_io(root: str) -> bool:
+    """Whether files under ``root`` can be written with O_DIRECT (tmpfs, for one, refuses)."""
+    import mmap
+
+    path = os.path.join(root, f".direct_probe.{os.getpid()}.{threading.get_ident()}")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            return os.write(fd, buf) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        _unlink(path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

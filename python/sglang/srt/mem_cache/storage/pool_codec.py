@@ -1,0 +1,131 @@
+"""How one registered host pool maps to stored objects: names, payload sizes, host byte views.
+
+A page of a pool is stored as one object per *segment*. With ``per_component`` (NIXL) a
+segment is one component (MHA: K and V -> ``_k``, ``_v``; Mamba: ``_mamba_temporal``,
+``_mamba_conv_<i>``; DSA: ``_indexer_k``, ``_indexer_v``); otherwise (file) the whole flat page
+is one segment. A pool without bytes (the DeepSeek-V4 logical anchor) has one empty ``marker``
+segment, so its existence can gate side-pool lookups.
+
+Segment payloads are the canonical flat-page bytes (the same for every layout with the same
+``page_format``), so the views below are cut from ``get_data_page(flat=False)`` in meta order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage_keys import (
+    MARKER_TAG,
+    KeyDeriver,
+    ShardMode,
+    StorageNamespace,
+    component_tag,
+    object_suffix,
+)
+from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_aligned
+
+
+@dataclass(frozen=True)
+class Segment:
+    suffix: str
+    nbytes: int  # payload bytes per page
+    first_chunk: int  # range of this segment in get_data_page(flat=False)
+    num_chunks: int
+
+
+@dataclass
+class ObjectIO:
+    """One object of one page: its name and the host memory its payload lives in."""
+
+    name: str
+    views: list[torch.Tensor]  # contiguous uint8 views of host memory, in payload order
+    nbytes: int
+
+
+@dataclass
+class PageIO:
+    codec: "PoolCodec"
+    slot: int  # first host slot of the page
+    objects: list[ObjectIO]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.objects)
+
+    def zero(self) -> None:
+        """Wipe the page's host bytes (after a failed read, so no unverified byte stays)."""
+        for obj in self.objects:
+            for view in obj.views:
+                view.zero_()
+
+
+def _segments(pool_name: PoolName, host_pool, per_component: bool) -> list[Segment]:
+    comps = list(host_pool.components)
+    if not comps:
+        return [Segment(object_suffix(pool_name.value, MARKER_TAG), 0, 0, 0)]
+    chunks_per_comp = host_pool.buffers_per_page() // len(comps)
+    page_bytes = [c.item_bytes * host_pool.layer_num * host_pool.page_size for c in comps]
+    if not per_component:
+        return [Segment(object_suffix(pool_name.value, ""), sum(page_bytes), 0, chunks_per_comp * len(comps))]
+    return [
+        Segment(object_suffix(pool_name.value, component_tag(c.name)), nbytes, i * chunks_per_comp, chunks_per_comp)
+        for i, (c, nbytes) in enumerate(zip(comps, page_bytes))
+    ]
+
+
+class PoolCodec:
+    """Object names and host views of the pages of one registered pool."""
+
+    def __init__(self, name: PoolName, host_pool, namespace: StorageNamespace, per_component: bool):
+        self.name = PoolName(name)
+        self.host_pool = host_pool
+        self.namespace = namespace
+        self.keys = KeyDeriver(namespace)
+        self.segments = _segments(self.name, host_pool, per_component)
+        if len({s.suffix for s in self.segments}) != len(self.segments):
+            raise ValueError(f"pool {self.name.value!r}: two components map to one object suffix")
+
+    @property
+    def page_size(self) -> int:
+        return self.host_pool.page_size
+
+    @property
+    def replicated(self) -> bool:
+        return self.namespace.shard_mode is ShardMode.REPLICATED
+
+    @property
+    def is_marker(self) -> bool:
+        return self.segments[0].nbytes == 0
+
+    def object_names(self, page_hash: str) -> list[str]:
+        stem = self.keys.stem(page_hash)
+        return [stem + s.suffix for s in self.segments]
+
+    def page_slots(self, keys: list[str], host_indices) -> list[int]:
+        """First host slot of each page; ValueError unless indices are whole pages, one per key."""
+        idx = as_cpu_index(host_indices, "host indices")
+        P = self.page_size
+        if idx.numel() != len(keys) * P:
+            raise ValueError(
+                f"pool {self.name.value!r}: {len(keys)} keys need {len(keys) * P} host indices, got {idx.numel()}"
+            )
+        check_page_aligned(idx, P, "host indices")
+        check_in_range(idx, 0, self.host_pool.size, "host indices")
+        return idx[::P].tolist()
+
+    def pages(self, keys: list[str], host_indices) -> list[PageIO]:
+        """PageIO of each (key, page) pair (validates keys and indices first)."""
+        slots = self.page_slots(keys, host_indices)
+        names = [self.object_names(k) for k in keys]
+        return [self.page_io(slot, page_names) for slot, page_names in zip(slots, names)]
+
+    def page_io(self, slot: int, names: list[str]) -> PageIO:
+        chunks = self.host_pool.get_data_page(slot, flat=False) if not self.is_marker else []
+        objects = [
+            ObjectIO(name, chunks[s.first_chunk : s.first_chunk + s.num_chunks], s.nbytes)
+            for name, s in zip(names, self.segments)
+        ]
+        return PageIO(self, slot, objects)

@@ -1,0 +1,122 @@
+"""ModelRunner: one TP rank's model, device KV pool, token allocator, request table, sampler.
+
+A scheduler drives it per step: build a ``ForwardBatch`` (``init_extend`` / ``init_decode``),
+call ``forward`` for the next-token logits, then ``sample``. See docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.distributed import (
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+    tensor_model_parallel_cpu_all_reduce_min,
+)
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import Sampler, SamplerOutput
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool.mha import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool.req_to_token import ReqToTokenPool
+from sglang.srt.mem_cache.pool_host.memory import available_host_bytes
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_config import ModelConfig
+from sglang.srt.model_executor.model_loader import get_model
+from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free device memory (CUDA) or MemAvailable (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_host_bytes()
+
+
+class ModelRunner:
+    def __init__(self, config: ModelRunnerConfig):
+        self.config = config
+        self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
+        self.page_size = config.page_size
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.tp_rank)
+        # Bad paths and configs fail here, before any rank waits on the others.
+        self.model_config = ModelConfig.from_pretrained(
+            config.model_path, config.dtype, self.device.type, config.context_length
+        )
+        if config.tp_size > 1:
+            init_distributed_environment(config.tp_size, config.tp_rank, config.dist_init_method, self.device)
+        initialize_model_parallel(config.tp_size, self.device)
+        self.dtype = self.model_config.dtype
+        self.model = get_model(self.model_config, config.load_format, self.device, config.seed)
+        self._init_memory_pools()
+        self.attn_backend = TorchNativeAttnBackend(self.device)
+        self.sampler = Sampler()
+
+    def _kv_cell_bytes(self) -> int:
+        mc = self.model_config
+        heads = mc.num_kv_heads_per_rank(self.tp_size)
+        return 2 * mc.num_hidden_layers * heads * mc.head_dim * self.dtype.itemsize
+
+    def _init_memory_pools(self) -> None:
+        cfg, mc = self.config, self.model_config
+        if cfg.max_total_tokens is not None:
+            tokens = cfg.max_total_tokens
+        else:
+            tokens = int(available_memory_bytes(self.device) * cfg.mem_fraction_static) // self._kv_cell_bytes()
+            # More than every request slot at full context can never be in use at once.
+            tokens = min(tokens, cfg.max_running_requests * mc.context_len)
+        # Every rank must hold the same slots: the scheduler's indices are shared.
+        tokens = tensor_model_parallel_cpu_all_reduce_min([tokens])[0] // self.page_size * self.page_size
+        if tokens < self.page_size:
+            raise ValueError(f"KV pool would hold {tokens} tokens (< page_size {self.page_size}); free memory")
+        self.max_total_num_tokens = tokens
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size=tokens,
+            page_size=self.page_size,
+            dtype=self.dtype,
+            head_num=mc.num_kv_heads_per_rank(self.tp_size),
+            head_dim=mc.head_dim,
+            layer_num=mc.num_hidden_layers,
+            device=self.device,
+        )
+        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.token_to_kv_pool)
+        self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests, mc.context_len, self.device)
+        logger.info(
+            "KV pool: %d tokens (page %d, %.1f MiB), %d request slots x context %d",
+            tokens,
+            self.page_size,
+            self.token_to_kv_pool.mem_usage_bytes() / 2**20,
+            cfg.max_running_requests,
+            mc.context_len,
+        )
+
+    @torch.no_grad()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Run the model on the batch's new tokens: writes their KV to ``out_cache_loc`` and
+        returns next-token logits (batch_size, vocab_size) fp32, the same on every TP rank."""
+        counter = self.token_to_kv_pool.layer_transfer_counter
+        if counter is not None:  # -1 too: a batch without loads must not wait on a stale set
+            counter.set_consumer(forward_batch.hicache_consumer_index)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def sample(
+        self,
+        logits_output: LogitsProcessorOutput,
+        sampling_info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: list[int] | None = None,
+    ) -> SamplerOutput:
+        return self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_nums)
+
+    def shutdown(self) -> None:
+        """Leave the process group (TP > 1)."""
+        destroy_model_parallel()

@@ -1,0 +1,48 @@
+"""Settings of one ModelRunner (one TP rank), validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang.srt.model_executor.model_config import DTYPES
+from sglang.srt.model_executor.model_loader import LoadFormat
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass
+class ModelRunnerConfig:
+    model_path: str
+    load_format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "auto"
+    tp_size: int = 1
+    tp_rank: int = 0
+    dist_init_method: str | None = None  # e.g. "tcp://127.0.0.1:29500"; needed when tp_size > 1
+    page_size: int = 1
+    max_total_tokens: int | None = None  # device KV slots; None: mem_fraction_static of free memory
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 256  # rows of ReqToTokenPool
+    context_length: int | None = None  # None: the config's max_position_embeddings
+    seed: int = 0  # weights of load_format="dummy"
+
+    def __post_init__(self):
+        LoadFormat.parse(self.load_format)
+        if self.device.split(":")[0] not in DEVICE_TYPES:
+            raise ValueError(f"device {self.device!r} is not supported; supported: {list(DEVICE_TYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; supported: {['auto', *DTYPES]}")
+        checks = [
+            ("tp_size", self.tp_size >= 1, ">= 1"),
+            ("tp_rank", 0 <= self.tp_rank < self.tp_size, f"in [0, tp_size={self.tp_size})"),
+            ("page_size", self.page_size >= 1, ">= 1"),
+            ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+             f"None or >= page_size={self.page_size}"),
+            ("mem_fraction_static", 0 < self.mem_fraction_static <= 1, "in (0, 1]"),
+            ("max_running_requests", self.max_running_requests >= 1, ">= 1"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid; must be {allowed}")
+        if self.tp_size > 1 and not self.dist_init_method:
+            raise ValueError("dist_init_method (e.g. 'tcp://127.0.0.1:29500') is required when tp_size > 1")

@@ -1,0 +1,1 @@
+"""Model definitions with HF config fields and HF weight names."""

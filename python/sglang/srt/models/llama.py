@@ -1,0 +1,151 @@
+"""Llama (GQA, optional attention/MLP bias, tied embeddings) with HF weight names."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.models.weight_names import load_named_weights
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter, bias = config.intermediate_size, config.mlp_bias
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
+        return q, k
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, attention_cls, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, attention_cls=LlamaAttention):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_cls, rotary_emb) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls = LlamaAttention
+    # (fused parameter, HF projection, shard id)
+    stacked_params_mapping = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_cls)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    @classmethod
+    def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF checkpoint of this config holds, full (unsharded) shapes."""
+        h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+            mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+            for name, shape in attn.items():
+                shapes[f"{p}self_attn.{name}.weight"] = shape
+                if config.attention_bias:
+                    shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
+            for name, shape in mlp.items():
+                shapes[f"{p}mlp.{name}.weight"] = shape
+                if config.mlp_bias:
+                    shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+            shapes[f"{p}input_layernorm.weight"] = (h,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors (each rank keeps its shard). Raises ValueError on missing
+        or unexpected names."""
+        load_named_weights(self, weights, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+
+
+EntryClass = LlamaForCausalLM
