@@ -16,9 +16,10 @@ from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_
 class PagedAllocator:
     """Free list of pages over ``num_pages`` pages of ``page_size`` slots.
 
-    ``alloc`` takes the lowest-numbered pages among the currently free ones after a merge, so
-    slot ids are deterministic. Thread-safe: host pools are shared by the scheduler and the
-    controller's worker threads.
+    ``alloc`` takes pages from the front of a sorted free list; freed pages wait in a release
+    list that is merged (and the whole list re-sorted) only when the front runs short, so
+    freeing stays cheap. Slot ids are therefore deterministic, but not always the lowest free
+    ones. Thread-safe: host pools are shared by the scheduler and the controller's threads.
     """
 
     def __init__(self, num_pages: int, page_size: int, reserved_pages: int = 0):

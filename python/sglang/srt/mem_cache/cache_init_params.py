@@ -9,7 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-EVICTION_POLICIES = ("lru", "lfu")
+from sglang.srt.mem_cache.evict_policy import EvictionPolicy
+
+EVICTION_POLICIES = tuple(p.value for p in EvictionPolicy)
+
+
+@dataclass(frozen=True)
+class ParallelCoords:
+    """This rank's place in the tp x pp x attention-cp grid (attribute names match
+    ``HiCacheStorageConfig``, so a storage config can be derived from it)."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    attn_cp_rank: int
+    attn_cp_size: int
 
 
 @dataclass
@@ -17,7 +32,8 @@ class CacheInitParams:
     """Everything a radix cache and its controllers need to be built.
 
     ``tp_cache_group`` is a gloo process group over the TP ranks that share one tree (None for a
-    single rank); when given, its rank and size must equal ``tp_rank`` / ``tp_size``.
+    single rank); when given, its rank and size must equal ``tp_rank`` / ``tp_size``. Every TP
+    agreement of the HiCache tree (an all-reduce MIN) runs over it.
     """
 
     page_size: int = 1
@@ -57,3 +73,10 @@ class CacheInitParams:
                     f"tp_cache_group has rank {g_rank} of {g_size} but tp_rank={self.tp_rank}, "
                     f"tp_size={self.tp_size}; they must agree"
                 )
+
+    @property
+    def parallel_coords(self) -> ParallelCoords:
+        """tp/pp/attention-cp rank and size, read by every controller, builder and storage config."""
+        return ParallelCoords(
+            self.tp_rank, self.tp_size, self.pp_rank, self.pp_size, self.attn_cp_rank, self.attn_cp_size
+        )

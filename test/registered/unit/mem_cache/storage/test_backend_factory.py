@@ -81,10 +81,12 @@ def test_a_backend_that_raises_is_a_counted_failure_and_a_miss(mha, tmp_path):
 
 
 def test_real_io_fault_in_the_file_backend(mha, tmp_path):
-    """A directory that cannot be created (a file is in the way) fails the write, not the caller."""
+    """A bucket directory replaced by a file fails the write, not the caller."""
     store = StorageBackendFactory.create_backend("file", storage_config(mha, {"storage_dir": str(tmp_path)}), mha)
     key = page_keys(1)
-    (tmp_path / store.codecs[next(iter(store.codecs))].object_names(key[0])[0][:2]).write_bytes(b"x")
+    bucket = tmp_path / store.codecs[next(iter(store.codecs))].object_names(key[0])[0][:2]
+    bucket.rmdir()
+    bucket.write_bytes(b"x")
     assert store.batch_set_v1(key, slots(mha, 0, 1)) == [False]
     assert store.get_stats()["failures"] == 1
     assert store.batch_get_v1(key, slots(mha, 8, 1)) == [False]

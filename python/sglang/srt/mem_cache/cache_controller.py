@@ -1,0 +1,263 @@
+"""HiCacheController: moves KV pages between the device (L1) and host (L2) pools.
+
+The tree decides which slots to move; the controller only moves them. Writes (device -> host,
+all layers) start as soon as they are submitted; loads (host -> device) are queued and start
+together, layer by layer, when the scheduler calls ``start_loading`` for the next batch. Both run
+on transfer lanes (``transfer_lane.py``): CUDA streams on a GPU, worker threads elsewhere, with
+the same code. Completion is reported through acks that the tree consumes in order.
+
+Pools are reached by ``PoolName`` through ``PoolBinding``s: the plain controller has one (``kv``);
+``HybridCacheController`` binds every pool of a ``HostPoolGroup`` (sidecars move with the anchor).
+
+Storage (L3) hook points, for the storage work: ``parallel_coords()`` is what a storage config
+derives from; ``held_host_indices()`` reports host slots held by in-flight storage operations
+(prefetch reservations) to the integrity check; ``close()`` is where storage threads stop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
+from sglang.srt.mem_cache.hicache_config import WritePolicy
+from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.tp_agreement import TPAgreement
+from sglang.srt.mem_cache.transfer_lane import make_lane
+
+logger = logging.getLogger(__name__)
+
+
+class Tier(Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass
+class L2Transfer:
+    """Paired slots of one pool: ``host_indices[i]`` <-> ``device_indices[i]`` (whole pages)."""
+
+    name: PoolName
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+
+
+@dataclass
+class CacheOperation:
+    transfers: list[L2Transfer]
+    node_ids: list[int] = field(default_factory=list)
+
+    @staticmethod
+    def merge_ops(ops: list["CacheOperation"]) -> "CacheOperation":
+        """One operation with the transfers of ``ops`` concatenated per pool (order kept)."""
+        by_name: dict[PoolName, list[L2Transfer]] = {}
+        for op in ops:
+            for t in op.transfers:
+                by_name.setdefault(t.name, []).append(t)
+        merged = [
+            L2Transfer(name, torch.cat([t.host_indices for t in ts]), torch.cat([t.device_indices for t in ts]))
+            for name, ts in by_name.items()
+        ]
+        return CacheOperation(merged, [nid for op in ops for nid in op.node_ids])
+
+
+@dataclass
+class HiCacheAck:
+    """Completion of one submitted operation: ``finish_event`` is recorded after its last copy."""
+
+    finish_event: object
+    node_ids: list[int]
+
+
+@dataclass
+class PoolBinding:
+    """How to reach one named pool: the (host, device) pool pairs that move together, and the
+    objects that hand out its host and device slots (``alloc``/``free``/``available_size``)."""
+
+    pairs: list[tuple[object, object]]
+    host_alloc: object
+    device_alloc: object
+
+
+class HiCacheController:
+    """L1<->L2 queues and lanes for one tree.
+
+    ``params`` (CacheInitParams) gives the device allocator, the TP group and the parallel
+    coordinates; nothing else is consulted for them.
+    """
+
+    def __init__(self, params: CacheInitParams, mem_pool_host, write_policy="write_through", io_backend=None,
+                 bindings: dict[PoolName, PoolBinding] | None = None, anchor_name: PoolName = PoolName.KV):
+        allocator = params.token_to_kv_pool_allocator
+        if allocator is None:
+            raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required for a HiCache controller")
+        self.params = params
+        self.page_size = params.page_size
+        self.mem_pool_device_allocator = allocator
+        self.mem_pool_device = allocator.get_kvcache()
+        self.mem_pool_host = mem_pool_host
+        if mem_pool_host.page_size != params.page_size:
+            raise ValueError(f"host pool page_size {mem_pool_host.page_size} != CacheInitParams.page_size {params.page_size}")
+        self.write_policy = WritePolicy.parse(write_policy)
+        self.io_backend = io_backend
+        self.anchor_name = anchor_name
+        self.bindings = bindings or {
+            PoolName.KV: PoolBinding([(mem_pool_host, self.mem_pool_device)], mem_pool_host, allocator)
+        }
+        if anchor_name not in self.bindings:
+            raise ValueError(f"anchor pool {anchor_name.value!r} has no binding; bound: {[n.value for n in self.bindings]}")
+        self.agreement = TPAgreement(params.tp_cache_group)
+        device = self.mem_pool_device.device
+        self.write_lane = make_lane("hicache-write", device)
+        self.load_lane = make_lane("hicache-load", device)
+        pairs = [p for b in self.bindings.values() for p in b.pairs]
+        self.layer_num = max(host.layer_num for host, _ in pairs)
+        self.layer_done_counter = LayerDoneCounter(self.layer_num, self.load_lane)
+        for _, device_pool in pairs:
+            device_pool.register_layer_transfer_counter(self.layer_done_counter)
+        self.load_queue: list[CacheOperation] = []
+        self.ack_write_queue: deque[HiCacheAck] = deque()
+        self.ack_load_queue: deque[HiCacheAck] = deque()
+        logger.info(
+            "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s",
+            [n.value for n in self.bindings], self.write_policy.value, self.layer_num, device,
+        )
+
+    # ---- coordinates and slots ----------------------------------------------------------
+    def parallel_coords(self) -> ParallelCoords:
+        """tp/pp/attention-cp rank and size of this rank, from CacheInitParams only."""
+        return self.params.parallel_coords
+
+    def _binding(self, name: PoolName) -> PoolBinding:
+        try:
+            return self.bindings[name]
+        except KeyError:
+            raise ValueError(f"no pool {name!r} in this controller; has {[n.value for n in self.bindings]}") from None
+
+    def _allocator(self, tier: Tier, name: PoolName):
+        b = self._binding(name)
+        return b.device_alloc if tier is Tier.DEVICE else b.host_alloc
+
+    def available(self, tier: Tier, name: PoolName) -> int:
+        """Free slots of pool ``name`` on ``tier``."""
+        return self._allocator(tier, name).available_size()
+
+    def alloc(self, tier: Tier, name: PoolName, num_slots: int) -> torch.Tensor | None:
+        """``num_slots`` slots (whole pages) of pool ``name`` on ``tier``; None when short."""
+        return self._allocator(tier, name).alloc(num_slots)
+
+    def free(self, tier: Tier, name: PoolName, indices: torch.Tensor) -> None:
+        """Return slots; ValueError on a double free (nothing freed then)."""
+        if indices.numel():
+            self._allocator(tier, name).free(indices)
+
+    def held_host_indices(self) -> list[torch.Tensor]:
+        """Host slots held by in-flight operations outside the tree (storage hook; none here)."""
+        return []
+
+    # ---- writes (device -> host) ----------------------------------------------------------
+    def write(self, transfers: list[L2Transfer], node_ids: list[int], ack: bool = True):
+        """Start copying every layer of ``transfers`` device -> host now.
+
+        With ``ack`` the completion is queued in ``ack_write_queue`` (consumed by the tree);
+        without, the caller waits on the returned event itself. Returns the finish event.
+        """
+        finish = self.write_lane.new_event()
+        op = CacheOperation(transfers, list(node_ids))
+
+        def job():
+            for t in op.transfers:
+                for host, device in self._binding(t.name).pairs:
+                    host.backup_from_device_all_layer(device, t.host_indices, t.device_indices, self.io_backend)
+            finish.record()
+
+        self.write_lane.submit(job, [finish])
+        if ack:
+            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
+        return finish
+
+    # ---- loads (host -> device, layer by layer) -------------------------------------------
+    def load(self, transfers: list[L2Transfer], node_ids: list[int]) -> None:
+        """Queue a load; it starts at the next ``start_loading``."""
+        self.load_queue.append(CacheOperation(transfers, list(node_ids)))
+
+    def start_loading(self) -> int:
+        """Start every queued load as one batch and return the LayerDoneCounter index the next
+        forward must wait on: this batch's; with nothing queued, the latest load still in
+        flight (loads run in order, so waiting for it covers every earlier one); else -1."""
+        if not self.load_queue:
+            latest = self.layer_done_counter.producer_index
+            if latest >= 0 and not self.layer_done_counter.events[latest].finished():
+                return latest
+            return -1
+        op = CacheOperation.merge_ops(self.load_queue)
+        self.load_queue = []
+        producer = self.layer_done_counter.update_producer()
+        layer_events = self.layer_done_counter.events[producer]
+
+        def job():
+            for layer in range(self.layer_num):
+                for t in op.transfers:
+                    for host, device in self._binding(t.name).pairs:
+                        if layer < host.layer_num:
+                            host.load_to_device_per_layer(
+                                device, t.host_indices, t.device_indices, layer, self.io_backend
+                            )
+                layer_events.complete(layer)
+
+        try:
+            self.load_lane.submit(job, layer_events.events)
+        except BaseException as exc:  # never leave armed events that nobody will record
+            for ev in layer_events.events:
+                ev.fail(exc)
+            raise
+        self.ack_load_queue.append(HiCacheAck(layer_events.events[-1], op.node_ids))
+        return producer
+
+    # ---- completion -----------------------------------------------------------------------
+    @staticmethod
+    def _leading_done(acks: deque) -> tuple[int, bool]:
+        done, ok = 0, True
+        for ack in acks:
+            if not ack.finish_event.query():
+                break
+            ok = ok and ack.finish_event.error is None
+            done += 1
+        return done, ok
+
+    def local_progress(self) -> list[int]:
+        """[finished writes, finished loads, 1 if none of them failed else 0], leading acks only."""
+        writes, w_ok = self._leading_done(self.ack_write_queue)
+        loads, l_ok = self._leading_done(self.ack_load_queue)
+        return [writes, loads, int(w_ok and l_ok)]
+
+    def pop_write_acks(self, n: int) -> list[HiCacheAck]:
+        return [self.ack_write_queue.popleft() for _ in range(n)]
+
+    def pop_load_acks(self, n: int) -> list[HiCacheAck]:
+        return [self.ack_load_queue.popleft() for _ in range(n)]
+
+    def synchronize(self) -> None:
+        """Block until every submitted write and started load has run (queued loads start first)."""
+        self.start_loading()
+        self.write_lane.synchronize()
+        self.load_lane.synchronize()
+
+    def reset(self) -> None:
+        """Wait for the lanes, then forget every queued operation and ack (slots are the tree's)."""
+        self.write_lane.synchronize()
+        self.load_lane.synchronize()
+        self.load_queue = []
+        self.ack_write_queue.clear()
+        self.ack_load_queue.clear()
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        """Stop the lanes (and, with storage, its threads)."""
+        self.write_lane.close()
+        self.load_lane.close()

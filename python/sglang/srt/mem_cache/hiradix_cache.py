@@ -1,0 +1,303 @@
+"""HiRadixCache: the radix tree over two tiers, device (L1) and host (L2).
+
+Each node has a device value and/or a host value (both per-token slot lists) and its page
+hashes. Device copies are downward closed: a node without one has no descendant with one, so
+a match is a device prefix followed by a host-only part (``host_hit_length``).
+
+Life of a prefix: ``insert`` adds it on device and, by the write policy, queues a host backup
+(the node stays locked until the write is acknowledged); ``evict`` frees device copies of
+unlocked leaves (backed-up nodes keep their host copy, others are dropped; ``write_back``
+backs them up first); ``evict_host`` drops host-only leaves; ``init_load_back`` gives a
+host-only chain fresh device slots and queues the copy; ``ready_to_load_host_cache`` starts
+it layer by layer; ``check_hicache_events`` consumes finished writes and loads.
+
+TP ranks keep identical trees: every locally observed quantity (free slots for a backup or a
+load-back, transfers finished) is agreed by an all-reduce MIN before the tree acts on it, and
+each of those calls happens on every rank (see ``tp_agreement.py``).
+
+Storage (L3) hook points: ``_on_write_done(node)`` runs when a host copy is acknowledged (the
+place to queue an L3 backup with ``node.hash_value``); ``_storage_progress()`` returns extra
+integers appended to the one per-step agreement vector, and ``_on_storage_progress(agreed)``
+receives them back agreed; ``protect_host``/``release_host`` pin host copies for L3 operations;
+``insert_host`` is how pages fetched from storage enter the tree (host-only nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.mem_cache.cache_controller import HiCacheController, L2Transfer, Tier
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.hiradix_eviction import TierEvictionMixin
+from sglang.srt.mem_cache.page_hash import page_hashes
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
+
+logger = logging.getLogger(__name__)
+
+
+class HiRadixCache(TierEvictionMixin, RadixCache):
+    def __init__(self, params: CacheInitParams, cache_controller: HiCacheController, load_back_threshold: int = 0):
+        if params.disable:
+            raise ValueError("HiRadixCache cannot be disabled; use RadixCache(disable=True)")
+        if cache_controller.params is not params:
+            raise ValueError("cache_controller was built from another CacheInitParams; pass the same object")
+        if load_back_threshold < 0:
+            raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
+        self.cache_controller = cache_controller
+        self.write_policy = cache_controller.write_policy
+        self.agreement = cache_controller.agreement
+        self.load_back_threshold = load_back_threshold
+        self.KV = cache_controller.anchor_name
+        self.ongoing_write_through: dict[int, TreeNode] = {}
+        self.ongoing_load_back: dict[int, TreeNode] = {}
+        self._write_back_events: list = []
+        self._write_back_nodes: list[TreeNode] = []
+        self._deferred_device_free: list[dict[PoolName, torch.Tensor]] = []
+        super().__init__(params)
+
+    def _new_root(self) -> None:
+        super()._new_root()
+        self.root_node.host_value = empty_indices()
+
+    # ---- per-node slots (extended by hybrid trees) -------------------------------------------
+    def _device_slots(self, node: TreeNode) -> dict[PoolName, torch.Tensor]:
+        return {self.KV: node.value}
+
+    def _host_slots(self, node: TreeNode) -> dict[PoolName, torch.Tensor]:
+        return {self.KV: node.host_value}
+
+    def _clear_device(self, node: TreeNode) -> None:
+        node.value = None
+
+    def _clear_host(self, node: TreeNode) -> None:
+        node.host_value = None
+
+    def _free_slots(self, tier: Tier, slots: dict[PoolName, torch.Tensor]) -> dict[PoolName, int]:
+        freed = {}
+        for name, idx in slots.items():
+            if idx is not None:
+                self.cache_controller.free(tier, name, idx)
+                freed[name] = idx.numel()
+        return freed
+
+    def _free_node_slots(self, node: TreeNode) -> None:
+        if node.value is not None:
+            self._free_slots(Tier.DEVICE, self._device_slots(node))
+        if node.host_value is not None:
+            self._free_slots(Tier.HOST, self._host_slots(node))
+
+    # ---- match -------------------------------------------------------------------------------
+    def _match_result(self, path: list[TreeNode]) -> MatchResult:
+        k = 0
+        while k < len(path) and not path[k].evicted:
+            k += 1
+        host_part = path[k:]
+        if any(not n.backuped for n in host_part):
+            raise CacheIntegrityError("a node with neither a device nor a host copy is in the tree")
+        device = torch.cat([n.value for n in path[:k]]) if k else empty_indices()
+        last_device = path[k - 1] if k else self.root_node
+        last_host = path[-1] if path else self.root_node
+        return MatchResult(device, last_device, last_host, sum(len(n.key) for n in host_part))
+
+    # ---- insert and backup -------------------------------------------------------------------
+    def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
+        if not node.evicted:
+            return False
+        node.value = value.clone()
+        self.evictable_size_ += len(value)
+        return True
+
+    def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
+        threshold = self.write_policy.backup_threshold
+        if threshold is None or chunked:
+            return
+        due = []
+        for node, _ in touched:
+            node.hit_count += 1
+            if not node.backuped and node.hit_count >= threshold:
+                due.append(node)
+        if due:
+            self._write_backup_nodes(due)
+
+    def write_backup(self, node: TreeNode) -> int:
+        """Back ``node`` up to host now (asynchronously; locked until acknowledged).
+        Returns the tokens queued, 0 when host slots could not be found on every rank."""
+        self._check_attached(node, "write_backup")
+        if node.evicted or node.backuped:
+            return 0
+        return self._write_backup_nodes([node])
+
+    def _backup_need(self, nodes: list[TreeNode]) -> dict[PoolName, int]:
+        return {self.KV: sum(len(n.key) for n in nodes)}
+
+    def _assign_host(self, nodes: list[TreeNode], host: dict[PoolName, torch.Tensor]) -> list[L2Transfer]:
+        """Give ``nodes`` their host slots (in order); the transfers that fill them."""
+        off = 0
+        for n in nodes:
+            n.host_value = host[self.KV][off : off + len(n.key)].clone()
+            off += len(n.key)
+        return [L2Transfer(self.KV, host[self.KV], torch.cat([n.value for n in nodes]))]
+
+    def _write_backup_nodes(self, nodes: list[TreeNode]) -> int:
+        host = self._reserve(Tier.HOST, self._backup_need(nodes))
+        if host is None:
+            logger.debug("backup of %d nodes refused: host pool full on some rank", len(nodes))
+            return 0
+        transfers = self._assign_host(nodes, host)
+        for n in nodes:
+            self.inc_lock_ref(n)
+            self.ongoing_write_through[n.id] = n
+        self.cache_controller.write(transfers, [n.id for n in nodes])
+        return sum(len(n.key) for n in nodes)
+
+    def insert_host(self, key: RadixKey, host_indices: torch.Tensor) -> int:
+        """Cache ``key`` (whole pages) as host-only nodes holding ``host_indices`` (host slots,
+        one per token), e.g. pages prefetched from storage.
+
+        Returns the number of leading tokens the tree already held on either tier: the caller
+        still owns ``host_indices[:returned]`` and frees them; the rest belongs to the tree.
+        """
+        key = self._check_key(key)
+        if len(key) % self.page_size:
+            raise ValueError(f"insert_host key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
+        host = as_cpu_index(host_indices, "insert_host host_indices")
+        if host.numel() != len(key):
+            raise ValueError(f"insert_host has {host.numel()} host slots for a key of {len(key)} tokens")
+        check_page_aligned(host, self.page_size, "insert_host host_indices")
+        node, pos, now = self.root_node, 0, self._tick()
+        while pos < len(key):
+            child = self._step(node, key, pos)
+            if child is None:
+                break
+            child.last_access_time = now
+            pos, node = pos + len(child.key), child
+        if pos < len(key):
+            leaf = TreeNode(node, key[pos:])
+            leaf.host_value = host[pos:].clone()
+            leaf.hash_value = page_hashes(leaf.key.token_ids, self.page_size, leaf.prior_hash())
+            leaf.last_access_time = now
+            node.children[self._child_key(leaf.key)] = leaf
+        return pos
+
+    # ---- load back ---------------------------------------------------------------------------
+    def init_load_back(self, last_node: TreeNode, host_hit_length: int, mem_quota: int | None = None):
+        """Give the host-only chain ending at ``last_node`` fresh device slots and queue its load.
+
+        Returns the new device slots (int64, the chain's tokens root first: append them to the
+        match's ``device_indices``), an empty tensor when nothing is host-only, or None when
+        refused: ``host_hit_length`` below ``load_back_threshold``, more tokens than
+        ``mem_quota``, or device slots short on some TP rank. The chain is locked until its load
+        is acknowledged; lock ``last_node`` for the request as usual. Bytes are valid once
+        ``ready_to_load_host_cache`` has started the load and the layer events have fired.
+        """
+        self._check_attached(last_node, "init_load_back")
+        chain, ancestor = [], last_node
+        while ancestor.evicted:
+            chain.append(ancestor)
+            ancestor = ancestor.parent
+        chain.reverse()
+        if not chain:
+            return empty_indices()
+        total = sum(len(n.key) for n in chain)
+        if host_hit_length < self.load_back_threshold or (mem_quota is not None and total > mem_quota):
+            return None
+        self.protect_host(last_node)
+        self.inc_lock_ref(ancestor)
+        try:
+            device = self._reserve(Tier.DEVICE, self._load_need(chain))
+        finally:
+            self.dec_lock_ref(ancestor)
+            self.release_host(last_node)
+        if device is None:
+            return None
+        transfers = self._assign_device(chain, device)
+        self.inc_lock_ref(last_node)
+        self.ongoing_load_back[last_node.id] = last_node
+        self.cache_controller.load(transfers, [last_node.id])
+        return device[self.KV]
+
+    def _load_need(self, chain: list[TreeNode]) -> dict[PoolName, int]:
+        return {self.KV: sum(len(n.key) for n in chain)}
+
+    def _assign_device(self, chain: list[TreeNode], device: dict[PoolName, torch.Tensor]) -> list[L2Transfer]:
+        off = 0
+        for n in chain:
+            n.value = device[self.KV][off : off + len(n.key)].clone()
+            off += len(n.key)
+            self.evictable_size_ += len(n.key)
+        return [L2Transfer(self.KV, torch.cat([n.host_value for n in chain]), device[self.KV])]
+
+    def ready_to_load_host_cache(self) -> int:
+        """Start the queued load-backs; return the LayerDoneCounter index the next forward
+        sets as consumer (-1: no load in flight). Even with nothing queued it names a load
+        still running, so slots of a load-back whose request was not scheduled are never read
+        before they arrive."""
+        return self.cache_controller.start_loading()
+
+    # ---- events ------------------------------------------------------------------------------
+    def check_hicache_events(self) -> None:
+        """Consume finished writes and loads: one agreed vector per call, on every rank.
+
+        Mutates: unlocks acknowledged nodes. Raises HiCacheTransferError on every rank when a
+        transfer failed on any rank.
+        """
+        local = self.cache_controller.local_progress() + self._storage_progress()
+        agreed = self.agreement.min(local)
+        writes, loads, ok = agreed[:3]
+        if not ok:
+            raise HiCacheTransferError("a host transfer failed on at least one TP rank")
+        for ack in self.cache_controller.pop_write_acks(writes):
+            for nid in ack.node_ids:
+                node = self.ongoing_write_through.pop(nid)
+                self.dec_lock_ref(node)
+                self._on_write_done(node)
+        for ack in self.cache_controller.pop_load_acks(loads):
+            for nid in ack.node_ids:
+                self.dec_lock_ref(self.ongoing_load_back.pop(nid))
+        self._on_storage_progress(agreed[3:])
+
+    def _on_write_done(self, node: TreeNode) -> None:
+        """Hook: ``node``'s host copy is acknowledged on every rank (queue an L3 backup here)."""
+
+    def _storage_progress(self) -> list[int]:
+        """Hook: extra local counts to agree on with the L1<->L2 acks (fixed length)."""
+        return []
+
+    def _on_storage_progress(self, agreed: list[int]) -> None:
+        """Hook: the agreed values of ``_storage_progress``."""
+
+    # ---- reset and integrity -----------------------------------------------------------------
+    def reset(self) -> None:
+        """Wait for every transfer, consume the acks, drop every node and free its slots on both
+        tiers. ValueError while a request still holds a lock."""
+        self.cache_controller.synchronize()
+        self.check_hicache_events()
+        super().reset()
+        self.cache_controller.reset()
+
+    def _check_node(self, node: TreeNode) -> None:
+        if node.evicted and not node.backuped:
+            raise CacheIntegrityError(f"node {node.id} has neither a device nor a host copy")
+        if node.evicted and (node.lock_ref or any(not c.evicted for c in node.children.values())):
+            raise CacheIntegrityError(f"node {node.id} is evicted but locked or above a device node")
+
+    def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=()) -> None:
+        """RadixCache.check_integrity plus the host tier: every host slot is free, in the tree,
+        held by an in-flight storage operation, or in ``request_host_indices``."""
+        super().check_integrity(request_device_indices, check_hashes)
+        for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
+            if not self._is_attached(node) or node.evicted or node.lock_ref == 0:
+                raise CacheIntegrityError(f"node {nid} has a transfer in flight but is gone, evicted or unlocked")
+        owners = {
+            "tree": [n.host_value for n in self._all_nodes()],
+            "storage": self.cache_controller.held_host_indices(),
+            "requests": list(request_host_indices),
+        }
+        check_slot_partition("host pool", self.cache_controller.bindings[self.KV].host_alloc, owners)

@@ -1,0 +1,201 @@
+"""How nodes leave a tier of the HiRadixCache, and how TP ranks agree on slots.
+
+``_reserve`` is the one place where slots for a backup or a load-back are taken: it agrees the
+free-minus-needed margin per pool across TP ranks (one all-reduce MIN), evicts the same nodes
+on every rank where the margin is negative, and allocates everywhere or nowhere.
+
+Device eviction takes unlocked device leaves (nodes whose children are all host-only) in
+policy order: a backed-up node keeps its host copy, others are written back first under
+``write_back`` or dropped with their host-only descendants. Host eviction drops host-only
+leaves nobody pins (``protect_host``), deleting them from the tree.
+
+A mixin of HiRadixCache: it uses the tree's ``cache_controller``, ``agreement``, ``KV``,
+``write_policy``, ``_priority``, ``_all_nodes`` and the per-node slot hooks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+
+import torch
+
+from sglang.srt.mem_cache.cache_controller import Tier
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.hicache_config import WritePolicy
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.tree_node import TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class TierEvictionMixin:
+    # ---- agreed reservation ------------------------------------------------------------------
+    def _reserve(self, tier: Tier, need: dict[PoolName, int]) -> dict[PoolName, torch.Tensor] | None:
+        """Allocate ``need`` slots per pool on ``tier`` on every TP rank or on none.
+
+        One collective: the MIN over ranks of (free - need) per pool. Where it is negative every
+        rank evicts the same nodes (same tree, same amount), so the outcome is the same
+        everywhere. Returns the slots per pool, or None (nothing allocated) when short.
+        """
+        names = sorted(need, key=lambda n: n.value)
+        margins = self.agreement.min([self.cache_controller.available(tier, n) - need[n] for n in names])
+        deficits = {n: -m for n, m in zip(names, margins) if m < 0}
+        if deficits:
+            freed = self._evict_for(tier, deficits)
+            if any(freed.get(n, 0) < d for n, d in deficits.items()):
+                return None
+        out: dict[PoolName, torch.Tensor] = {}
+        for n in names:
+            idx = self.cache_controller.alloc(tier, n, need[n])
+            if idx is None:
+                for m, got in out.items():
+                    self.cache_controller.free(tier, m, got)
+                raise CacheIntegrityError(f"{tier.value} pool {n.value}: {need[n]} slots agreed free but not allocatable")
+            out[n] = idx
+        return out
+
+    def _evict_for(self, tier: Tier, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
+        if tier is Tier.HOST:
+            return self._evict_host_nodes(deficits)
+        return self._evict_device_nodes(deficits)
+
+    # ---- device eviction ---------------------------------------------------------------------
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root_node
+            and not node.evicted
+            and node.lock_ref == 0
+            and all(c.evicted for c in node.children.values())
+        )
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots from unlocked device leaves (a node whose
+        children are all host-only counts as a leaf). Backed-up nodes keep their host copy;
+        others are backed up first under ``write_back``, else dropped. Returns tokens freed."""
+        if num_tokens < 0:
+            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+        return self._evict_device_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
+
+    def _evict_device_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
+        freed = {n: 0 for n in deficits}
+        heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_device_leaf(n)]
+        heapq.heapify(heap)
+        while heap and any(freed[n] < d for n, d in deficits.items()):
+            _, node = heapq.heappop(heap)
+            for name, count in self._evict_device_node(node).items():
+                freed[name] = freed.get(name, 0) + count
+            if self._is_device_leaf(node.parent):
+                heapq.heappush(heap, (self._priority(node.parent), node.parent))
+        self._finish_write_back()
+        return freed
+
+    def _evict_device_node(self, node: TreeNode) -> dict[PoolName, int]:
+        if node.backuped:
+            return self._release_device_copy(node, deferred=False)
+        if self.write_policy is WritePolicy.WRITE_BACK and self._write_back(node):
+            return self._release_device_copy(node, deferred=True)
+        if node.host_ref_counter > 0:
+            return {}  # host-only descendants are pinned by a storage operation
+        return self._drop_subtree(node)
+
+    def _release_device_copy(self, node: TreeNode, deferred: bool) -> dict[PoolName, int]:
+        slots = self._device_slots(node)
+        self.evictable_size_ -= len(node.key)
+        self._clear_device(node)
+        if deferred:
+            self._deferred_device_free.append(slots)
+            return {name: len(idx) for name, idx in slots.items() if idx is not None}
+        return self._free_slots(Tier.DEVICE, slots)
+
+    def _write_back(self, node: TreeNode) -> bool:
+        host = self._reserve(Tier.HOST, self._backup_need([node]))
+        if host is None:
+            return False
+        transfers = self._assign_host([node], host)
+        self.protect_host(node)  # its host slots are being written: not evictable until done
+        self._write_back_nodes.append(node)
+        self._write_back_events.append(self.cache_controller.write(transfers, [node.id], ack=False))
+        return True
+
+    def _finish_write_back(self) -> None:
+        """Wait for this eviction's write-backs, agree they all succeeded, then free the device
+        slots they read. Raises HiCacheTransferError (on every rank) when one failed."""
+        if not self._write_back_events:
+            return
+        ok = True
+        for ev in self._write_back_events:
+            try:
+                ev.synchronize()
+            except HiCacheTransferError:
+                ok = False
+        self._write_back_events = []
+        for node in self._write_back_nodes:
+            self.release_host(node)
+        self._write_back_nodes = []
+        if not self.agreement.all_true(ok):
+            raise HiCacheTransferError("a write-back to host failed on at least one TP rank")
+        for slots in self._deferred_device_free:
+            self._free_slots(Tier.DEVICE, slots)
+        self._deferred_device_free = []
+
+    def _drop_subtree(self, node: TreeNode) -> dict[PoolName, int]:
+        """Delete a device leaf that has no host copy, with its host-only descendants."""
+        stack = list(node.children.values())
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            self._free_slots(Tier.HOST, self._host_slots(x))
+        freed = self._release_device_copy(node, deferred=False)
+        self._delete_leaf(node)
+        return freed
+
+    # ---- host eviction -----------------------------------------------------------------------
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        return (
+            node is not self.root_node
+            and node.evicted
+            and not node.children
+            and node.host_ref_counter == 0
+        )
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Drop host-only leaves nobody pins, policy order, until ``num_tokens`` host slots are
+        free; the nodes leave the tree. Returns host tokens freed (less when not enough)."""
+        if num_tokens < 0:
+            raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
+        return self._evict_host_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
+
+    def _evict_host_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
+        freed = {n: 0 for n in deficits}
+        heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heapq.heapify(heap)
+        while heap and any(freed[n] < d for n, d in deficits.items()):
+            _, node = heapq.heappop(heap)
+            for name, count in self._free_slots(Tier.HOST, self._host_slots(node)).items():
+                freed[name] = freed.get(name, 0) + count
+            self._clear_host(node)
+            self._delete_leaf(node)
+            if self._is_host_leaf(node.parent):
+                heapq.heappush(heap, (self._priority(node.parent), node.parent))
+        return freed
+
+    def protect_host(self, node: TreeNode) -> None:
+        """Pin the host copies of ``node`` and its ancestors against ``evict_host``."""
+        self._check_attached(node, "protect_host")
+        while node is not self.root_node:
+            node.host_ref_counter += 1
+            node = node.parent
+
+    def release_host(self, node: TreeNode) -> None:
+        """Undo one ``protect_host``; ValueError (nothing changed) when not pinned."""
+        self._check_attached(node, "release_host")
+        x = node
+        while x is not self.root_node:
+            if x.host_ref_counter <= 0:
+                raise ValueError(f"release_host: node {x.id} is not pinned")
+            x = x.parent
+        while node is not self.root_node:
+            node.host_ref_counter -= 1
+            node = node.parent

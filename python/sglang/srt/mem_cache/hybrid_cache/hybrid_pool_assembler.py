@@ -1,0 +1,134 @@
+"""Builders of hybrid HiCache stacks: host pools, HostPoolGroup, controller and tree, together.
+
+One builder per stack:
+
+- ``build_kv_mamba_stack``: attention KV (anchor) + Mamba states (own slots) -> HiMambaRadixCache
+- ``build_kv_dsa_stack``: MLA KV (anchor) + DSA indexer keys (sidecar) -> HiRadixCache
+- ``build_dsv4_stack``: DeepSeek-V4 logical anchor (no bytes) + compressed state rows (sidecar)
+
+Every builder reads parallel coordinates from ``params`` (CacheInitParams) and nowhere else; it
+passes ``params`` on unchanged, so the controller, the tree and any storage config derived from
+``HybridStack.parallel_coords()`` all see the same values.
+
+Host sizing: ``hicache_size_gb`` buys anchor slots at the bytes of an anchor slot plus its
+sidecars'; for KV + Mamba the budget is split in proportion to the device pools' bytes. Without
+it, each pool gets ``hicache_ratio`` times its device slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
+from sglang.srt.mem_cache.hi_mamba_radix_cache import HiMambaRadixCache
+from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.memory_pool.base import KVCache, PoolKind
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+from sglang.srt.mem_cache.pool_host.dsv4 import DeepSeekV4StateHostPool, LogicalHostPool
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry, PoolName
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+logger = logging.getLogger(__name__)
+
+ANCHOR_HOST_CLASSES = {
+    PoolKind.MHA: MHATokenToKVPoolHost,
+    PoolKind.ASYMMETRIC_MHA: AsymmetricMHATokenToKVPoolHost,
+    PoolKind.MLA: MLATokenToKVPoolHost,
+    PoolKind.DSV4_ANCHOR: LogicalHostPool,
+}
+
+
+@dataclass
+class HybridStack:
+    params: CacheInitParams
+    host_pool_group: HostPoolGroup
+    cache_controller: HybridCacheController
+    tree_cache: HiRadixCache
+
+    def parallel_coords(self) -> ParallelCoords:
+        return self.cache_controller.parallel_coords()
+
+
+def _anchor_device(params: CacheInitParams, kinds: tuple[PoolKind, ...]) -> KVCache:
+    if not isinstance(params, CacheInitParams):
+        raise TypeError(f"params must be a CacheInitParams, got {type(params).__name__}")
+    alloc = params.token_to_kv_pool_allocator
+    if alloc is None:
+        raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required to build a HiCache stack")
+    pool = alloc.get_kvcache()
+    if pool.kind not in kinds:
+        raise ValueError(f"anchor device pool is {pool.kind.value}; this stack needs one of {[k.value for k in kinds]}")
+    return pool
+
+
+def _check_sidecar(anchor: KVCache, side: KVCache, kind: PoolKind) -> None:
+    if side.kind is not kind:
+        raise TypeError(f"expected a {kind.value} device pool, got {type(side).__name__}")
+    if (side.size, side.page_size) != (anchor.size, anchor.page_size):
+        raise ValueError(
+            f"{kind.value} pool has {side.size} slots / page {side.page_size}; the anchor has "
+            f"{anchor.size} / {anchor.page_size} (a sidecar uses the anchor's slots)"
+        )
+
+
+def _anchor_host_slots(config: HiCacheConfig, anchor: KVCache, sidecars: list[KVCache]) -> int:
+    if config.hicache_size_gb > 0:
+        per_slot = anchor.get_size_per_token() + sum(s.get_size_per_token() for s in sidecars)
+        slots = int(config.hicache_size_gb * 1e9) // per_slot
+    else:
+        slots = int(anchor.size * config.hicache_ratio)
+    return slots // anchor.page_size * anchor.page_size
+
+
+def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name, side_cls) -> HybridStack:
+    config = config or HiCacheConfig()
+    anchor = _anchor_device(params, anchor_kinds)
+    _check_sidecar(anchor, side_pool, side_kind)
+    slots = _anchor_host_slots(config, anchor, [side_pool])
+    io = config.io_backend
+    anchor_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, size=slots, layout=config.mem_layout, io_backend=io)
+    side_host = side_cls(side_pool, size=anchor_host.size, layout=anchor_host.layout, io_backend=io)
+    group = HostPoolGroup(
+        PoolEntry(PoolName.KV, anchor_host, anchor),
+        [PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True)],
+    )
+    controller = HybridCacheController(params, group, config.write_policy, io)
+    return HybridStack(params, group, controller, HiRadixCache(params, controller, config.load_back_threshold))
+
+
+def build_kv_dsa_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
+    """MLA KV anchor + DSA indexer sidecar (same slots, moved together)."""
+    return _sidecar_stack(params, config, (PoolKind.MLA,), indexer_pool, PoolKind.DSA_INDEXER, PoolName.INDEXER,
+                          DSAIndexerPoolHost)
+
+
+def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig | None = None) -> HybridStack:
+    """DeepSeek-V4: a logical anchor (slots, no bytes) + the compressed-state sidecar."""
+    return _sidecar_stack(params, config, (PoolKind.DSV4_ANCHOR,), state_pool, PoolKind.DSV4_STATE,
+                          PoolName.DSV4_STATE, DeepSeekV4StateHostPool)
+
+
+def build_kv_mamba_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
+    """Attention KV anchor + Mamba states (own slots, one per cached state) -> HiMambaRadixCache."""
+    config = config or HiCacheConfig()
+    anchor = _anchor_device(params, (PoolKind.MHA, PoolKind.MLA, PoolKind.ASYMMETRIC_MHA))
+    if getattr(mamba_pool, "kind", None) is not PoolKind.MAMBA:
+        raise TypeError(f"expected a MambaPool, got {type(mamba_pool).__name__}")
+    io = config.io_backend
+    if config.hicache_size_gb > 0:
+        kv_bytes, mamba_bytes = anchor.mem_usage_bytes(), mamba_pool.mem_usage_bytes()
+        kv_gb = config.hicache_size_gb * kv_bytes / (kv_bytes + mamba_bytes)
+        kv_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, 0, kv_gb, layout=config.mem_layout, io_backend=io)
+        mamba_host = MambaPoolHost(mamba_pool, 0, config.hicache_size_gb - kv_gb, io_backend=io)
+    else:
+        kv_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, config.hicache_ratio, layout=config.mem_layout, io_backend=io)
+        mamba_host = MambaPoolHost(mamba_pool, config.hicache_ratio, io_backend=io)
+    group = HostPoolGroup(PoolEntry(PoolName.KV, kv_host, anchor), [PoolEntry(PoolName.MAMBA, mamba_host, mamba_pool)])
+    controller = HybridCacheController(params, group, config.write_policy, io)
+    tree = HiMambaRadixCache(params, controller, config.load_back_threshold)
+    return HybridStack(params, group, controller, tree)

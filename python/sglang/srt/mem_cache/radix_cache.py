@@ -1,0 +1,343 @@
+"""RadixCache: a paged radix tree over the device (L1) token slots.
+
+Keys advance a whole page (``page_size`` tokens) per step; children are keyed by their
+namespace (``extra_key``) and first page. Every node carries its page-hash chain
+(``page_hash.py``), seeded by ``namespace_hash(extra_key)``; a split slices the hash list and
+never rehashes. The tree passes slot indices around and never touches KV bytes.
+
+Ownership: slots handed to ``insert`` become the tree's, except the leading ``prefix_len``
+tokens it already held (the caller frees those duplicates). ``evict`` returns slots of unlocked
+leaves to the allocator. ``inc_lock_ref`` / ``dec_lock_ref`` protect a node and its ancestors.
+
+Request bookkeeping (``cache_finished_req`` / ``cache_unfinished_req``) is in
+``radix_requests.py``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Iterable, Iterator
+
+import torch
+
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
+from sglang.srt.mem_cache.evict_policy import EvictionPolicy, eviction_priority
+from sglang.srt.mem_cache.page_hash import page_hashes
+from sglang.srt.mem_cache.radix_requests import RequestCacheMixin
+from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
+
+logger = logging.getLogger(__name__)
+
+
+class RadixCache(RequestCacheMixin):
+    def __init__(self, params: CacheInitParams):
+        if not isinstance(params, CacheInitParams):
+            raise TypeError(f"params must be a CacheInitParams, got {type(params).__name__}")
+        self.params = params
+        self.page_size = params.page_size
+        self.disable = params.disable
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        alloc = self.token_to_kv_pool_allocator
+        if alloc is None and not self.disable:
+            raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required unless disable=True")
+        if alloc is not None and alloc.page_size != self.page_size:
+            raise ValueError(f"allocator page_size {alloc.page_size} != CacheInitParams.page_size {self.page_size}")
+        self.eviction_policy = EvictionPolicy.parse(params.eviction_policy)
+        self._priority = eviction_priority(self.eviction_policy)
+        self._clock = 0
+        self._new_root()
+
+    # ---- tree basics -----------------------------------------------------------------------
+    def _new_root(self) -> None:
+        self.root_node = TreeNode()
+        self.root_node.value = empty_indices()
+        self.root_node.lock_ref = 1
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+
+    def reset(self) -> None:
+        """Drop every node and return its slots to the allocators. ValueError while a request
+        still holds a lock (nothing is dropped then)."""
+        if self.protected_size_:
+            raise ValueError(f"reset with {self.protected_size_} tokens still locked by requests")
+        for node in list(self._all_nodes()):
+            self._free_node_slots(node)
+        self._new_root()
+
+    def _free_node_slots(self, node: TreeNode) -> None:
+        if node.value is not None and node.value.numel():
+            self.token_to_kv_pool_allocator.free(node.value)
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, key: RadixKey, pos: int = 0) -> tuple:
+        return (key.extra_key, key.token_ids[pos : pos + self.page_size])
+
+    def _all_nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _is_attached(self, node: TreeNode) -> bool:
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(self._child_key(node.key)) is not node:
+                return False
+            node = parent
+        return True
+
+    def _check_attached(self, node, what: str) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"{what}: expected a TreeNode, got {type(node).__name__}")
+        if not self._is_attached(node):
+            raise ValueError(f"{what}: node {node.id} is not in this tree (evicted or from an old tree)")
+
+    def _step(self, node: TreeNode, key: RadixKey, pos: int) -> TreeNode | None:
+        """The child of ``node`` matching ``key`` from token ``pos``, split so that it matches
+        entirely; None when no child shares the next page."""
+        child = node.children.get(self._child_key(key, pos))
+        if child is None:
+            return None
+        P, mine, theirs = self.page_size, child.key.token_ids, key.token_ids
+        n, limit = P, min(len(mine), len(theirs) - pos)
+        while n < limit and mine[n : n + P] == theirs[pos + n : pos + n + P]:
+            n += P
+        if n < len(mine):
+            child = self._split_node(child, n)
+        return child
+
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        """Cut ``child`` after ``split_len`` tokens; return the new upper node. Values, host
+        values and hashes are sliced at the same offset; locks and counters are copied; the
+        lower part keeps its id (acks refer to it) and its Mamba state (the state at its end)."""
+        pages = split_len // self.page_size
+        new = TreeNode(child.parent, child.key[:split_len])
+        for attr in ("lock_ref", "host_ref_counter", "hit_count", "access_count", "last_access_time"):
+            setattr(new, attr, getattr(child, attr))
+        if child.value is not None:
+            new.value, child.value = child.value[:split_len].clone(), child.value[split_len:].clone()
+        if child.host_value is not None:
+            new.host_value, child.host_value = child.host_value[:split_len].clone(), child.host_value[split_len:].clone()
+        new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
+        child.parent.children[self._child_key(new.key)] = new
+        child.key = child.key[split_len:]
+        child.parent = new
+        new.children[self._child_key(child.key)] = child
+        return new
+
+    # ---- match -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_key(key) -> RadixKey:
+        if not isinstance(key, RadixKey):
+            raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
+        return key
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached prefix of ``key`` in whole pages (a trailing partial page never matches).
+
+        Mutates: splits the node where the match ends mid-node; refreshes access time and
+        count of matched nodes. On a miss: empty ``device_indices`` and the root as last nodes.
+        """
+        key = self._check_key(key)
+        key = key[: len(key) // self.page_size * self.page_size]
+        if self.disable or not len(key):
+            return MatchResult(empty_indices(), self.root_node, self.root_node, 0)
+        path, node, pos, now = [], self.root_node, 0, self._tick()
+        while pos < len(key):
+            child = self._step(node, key, pos)
+            if child is None:
+                break
+            child.last_access_time = now
+            child.access_count += 1
+            path.append(child)
+            pos += len(child.key)
+            node = child
+        return self._match_result(path)
+
+    def _match_result(self, path: list[TreeNode]) -> MatchResult:
+        last = path[-1] if path else self.root_node
+        values = [n.value for n in path]
+        device = torch.cat(values) if values else empty_indices()
+        return MatchResult(device, last, last, 0)
+
+    # ---- insert ----------------------------------------------------------------------------
+    def _check_insert(self, key, value) -> tuple[RadixKey, torch.Tensor]:
+        key = self._check_key(key)
+        if self.disable:
+            raise ValueError("insert into a disabled cache")
+        if len(key) % self.page_size:
+            raise ValueError(f"insert key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
+        value = as_cpu_index(value, "insert value")
+        if value.numel() != len(key):
+            raise ValueError(f"insert value has {value.numel()} slots for a key of {len(key)} tokens")
+        check_page_aligned(value, self.page_size, "insert value")
+        return key, value
+
+    def insert(self, key: RadixKey, value: torch.Tensor, chunked: bool = False) -> int:
+        """Cache ``key`` (whole pages) with device slots ``value`` (one per token).
+
+        Returns the number of leading tokens the tree already held on device: the caller still
+        owns ``value[:returned]`` and must free those duplicates; the rest now belongs to the
+        tree. ``chunked``: an insert of a chunked prefill, which does not count as a hit.
+        """
+        key, value = self._check_insert(key, value)
+        node, pos, now, prefix_len, adopting = self.root_node, 0, self._tick(), 0, False
+        touched: list[tuple[TreeNode, bool]] = []
+        while pos < len(key):
+            child = self._step(node, key, pos)
+            if child is None:
+                break
+            n = len(child.key)
+            child.last_access_time = now
+            child.access_count += 1
+            if self._insert_existing(child, value[pos : pos + n]):
+                adopting = True
+            elif adopting:
+                raise CacheIntegrityError(f"node {child.id} has a device copy below an evicted node")
+            else:
+                prefix_len += n
+            touched.append((child, False))
+            pos, node = pos + n, child
+        if pos < len(key):
+            touched.append((self._add_leaf(node, key[pos:], value[pos:], now), True))
+        self._on_inserted(touched, chunked)
+        return prefix_len
+
+    def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
+        """Hook: an existing node on the insert path; True when it adopts ``value``."""
+        return False
+
+    def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
+        """Hook: the nodes of an insert path, root first, with whether each is new."""
+
+    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, now: int) -> TreeNode:
+        node = TreeNode(parent, key)
+        node.value = value.clone()
+        node.hash_value = page_hashes(key.token_ids, self.page_size, node.prior_hash())
+        node.last_access_time, node.access_count = now, 1
+        parent.children[self._child_key(key)] = node
+        self.evictable_size_ += len(key)
+        return node
+
+    # ---- eviction --------------------------------------------------------------------------
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        return node is not self.root_node and node.lock_ref == 0 and not node.children
+
+    def _evict_device_node(self, node: TreeNode) -> int:
+        """Hook: evict one unlocked device leaf; return the device tokens freed."""
+        self.token_to_kv_pool_allocator.free(node.value)
+        self.evictable_size_ -= len(node.value)
+        self._delete_leaf(node)
+        return len(node.key)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        del node.parent.children[self._child_key(node.key)]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` device slots from unlocked leaves, policy order first.
+
+        Returns the number of device tokens freed (less when not enough is evictable).
+        """
+        if num_tokens < 0:
+            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+        if self.disable or num_tokens == 0:
+            return 0
+        heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_device_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, node = heapq.heappop(heap)
+            freed += self._evict_device_node(node)
+            parent = node.parent
+            if self._is_device_leaf(parent):
+                heapq.heappush(heap, (self._priority(parent), parent))
+        logger.debug("evict: asked %d tokens, freed %d", num_tokens, freed)
+        return freed
+
+    # ---- locks -----------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Protect ``node`` and its ancestors from eviction. Returns the change of
+        ``evictable_size()`` (<= 0). ValueError for a node not in the tree or without device copy."""
+        if self.disable:
+            return 0
+        self._check_attached(node, "inc_lock_ref")
+        x = node
+        while x is not self.root_node:
+            if x.value is None:
+                raise ValueError(f"inc_lock_ref: node {x.id} has no device copy to protect")
+            x = x.parent
+        delta = 0
+        while node is not self.root_node:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.value)
+                self.protected_size_ += len(node.value)
+                delta -= len(node.value)
+            node.lock_ref += 1
+            node = node.parent
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Undo one ``inc_lock_ref``. Returns the change of ``evictable_size()`` (>= 0).
+        ValueError when the node (or an ancestor) is not locked; nothing changes then."""
+        if self.disable:
+            return 0
+        self._check_attached(node, "dec_lock_ref")
+        x = node
+        while x is not self.root_node:
+            if x.lock_ref <= 0:
+                raise ValueError(f"dec_lock_ref: node {x.id} is not locked")
+            x = x.parent
+        delta = 0
+        while node is not self.root_node:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_size_ += len(node.value)
+                self.protected_size_ -= len(node.value)
+                delta += len(node.value)
+            node = node.parent
+        return delta
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def evictable_size(self) -> int:
+        """Device tokens in unlocked nodes."""
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        """Device tokens in locked nodes."""
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        """Device tokens in the tree."""
+        return self.evictable_size_ + self.protected_size_
+
+    # ---- integrity -------------------------------------------------------------------------
+    def _check_node(self, node: TreeNode) -> None:
+        """Hook: per-node invariants of a subclass."""
+        if node.value is None:
+            raise CacheIntegrityError(f"node {node.id} has no device copy in a device-only tree")
+
+    def check_integrity(self, request_device_indices: Iterable[torch.Tensor] = (), check_hashes: bool = True) -> None:
+        """Raise CacheIntegrityError unless every device slot is exactly one of free, in the
+        tree, or in ``request_device_indices`` (slots held by running requests), and every node
+        is consistent (key, value and hash lengths, hash chain, lock counts, size counters)."""
+        check_tree_nodes(self, check_hashes)
+        if self.disable:
+            return
+        owners = {"tree": [n.value for n in self._all_nodes()], "requests": list(request_device_indices)}
+        check_slot_partition("device pool", self.token_to_kv_pool_allocator, owners)
+
+    def tree_signature(self) -> list[tuple]:
+        """A comparable picture of the tree (paths, tiers, locks) for tests and TP checks."""
+        out = []
+        for node in self._all_nodes():
+            out.append((node.hash_value[-1], len(node.key), node.value is not None, node.host_value is not None,
+                        node.lock_ref, node.mamba_value is not None, node.mamba_host_value is not None))
+        return sorted(out)

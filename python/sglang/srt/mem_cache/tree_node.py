@@ -1,0 +1,138 @@
+"""Radix tree vocabulary: RadixKey, TreeNode and MatchResult.
+
+A node's key is a run of whole pages of token ids under one namespace (``extra_key``). Its
+``value`` holds the device (L1) token slots of those tokens, ``host_value`` the host (L2) slots,
+and ``hash_value`` one page hash per page, chained from the parent's last page hash (or the
+namespace seed at the root), so a node's hashes never depend on how the tree happened to split.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.page_hash import namespace_hash
+
+_node_ids = itertools.count()
+
+
+def empty_indices() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class RadixKey:
+    """Token ids of a request prefix and the namespace they live in.
+
+    ``extra_key`` separates namespaces (LoRA id, tenant ``cache_salt``): equal tokens under
+    different extra keys never match each other.
+    """
+
+    token_ids: tuple[int, ...]
+    extra_key: str | None = None
+
+    def __init__(self, token_ids: Sequence[int], extra_key: str | None = None):
+        if extra_key is not None and not isinstance(extra_key, str):
+            raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
+        object.__setattr__(self, "extra_key", extra_key)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __getitem__(self, item: slice) -> "RadixKey":
+        if not isinstance(item, slice):
+            raise TypeError("RadixKey supports slicing only")
+        return RadixKey(self.token_ids[item], self.extra_key)
+
+    def page(self, index: int, page_size: int) -> tuple[int, ...]:
+        """Tokens of page ``index`` (page units)."""
+        return self.token_ids[index * page_size : (index + 1) * page_size]
+
+
+class TreeNode:
+    """One edge of the radix tree (and the node below it).
+
+    ``lock_ref`` > 0 protects the node's device value (and, through ``inc_lock_ref``, its
+    ancestors'); ``host_ref_counter`` > 0 protects its host value. ``hit_count`` counts inserts
+    through the node (it drives ``write_through_selective``); ``access_count`` counts matches
+    and inserts (it drives ``lfu``).
+    """
+
+    def __init__(self, parent: "TreeNode | None" = None, key: RadixKey | None = None):
+        self.id = next(_node_ids)
+        self.parent = parent
+        self.key = key if key is not None else RadixKey(())
+        self.children: dict[Any, TreeNode] = {}
+        self.value: torch.Tensor | None = None
+        self.host_value: torch.Tensor | None = None
+        self.hash_value: list[str] = []
+        self.lock_ref = 0
+        self.host_ref_counter = 0
+        self.hit_count = 0
+        self.access_count = 0
+        self.last_access_time = 0
+        # Hybrid trees: one Mamba state (device slot / host slot) for the end of this node's key.
+        self.mamba_value: torch.Tensor | None = None
+        self.mamba_host_value: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, device={self.value is not None}, "
+            f"host={self.host_value is not None}, lock_ref={self.lock_ref})"
+        )
+
+    def __lt__(self, other: "TreeNode") -> bool:
+        return self.id < other.id
+
+    @property
+    def evicted(self) -> bool:
+        """No device copy."""
+        return self.value is None
+
+    @property
+    def backuped(self) -> bool:
+        """Has a host copy."""
+        return self.host_value is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def protect_host(self) -> None:
+        """Pin the host copy (an L3 backup or prefetch holds it)."""
+        self.host_ref_counter += 1
+
+    def release_host(self) -> None:
+        if self.host_ref_counter <= 0:
+            raise ValueError(f"release_host on node {self.id}, whose host copy is not protected")
+        self.host_ref_counter -= 1
+
+    def prior_hash(self) -> str:
+        """Hash the node's first page chains from: the parent's last page hash, else the seed."""
+        parent = self.parent
+        if parent is None or parent.is_root:
+            return namespace_hash(self.key.extra_key)
+        return parent.hash_value[-1]
+
+    def get_last_hash_value(self) -> str | None:
+        return self.hash_value[-1] if self.hash_value else None
+
+
+@dataclass
+class MatchResult:
+    """What ``match_prefix`` found.
+
+    ``device_indices``: device token slots of the matched prefix that is on device (int64, CPU).
+    ``last_device_node``: deepest matched node with a device copy (the root on a miss).
+    ``last_host_node``: deepest matched node (device or host copy); equals ``last_device_node``
+    when nothing matched only on host. ``host_hit_length``: tokens between the two (host only).
+    """
+
+    device_indices: torch.Tensor = field(default_factory=empty_indices)
+    last_device_node: TreeNode | None = None
+    last_host_node: TreeNode | None = None
+    host_hit_length: int = 0

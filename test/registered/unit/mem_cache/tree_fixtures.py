@@ -1,0 +1,186 @@
+"""Fixtures for the tree tests: tiny real pools, deterministic KV bytes, a request record.
+
+The KV of a token is a deterministic function of its whole prefix (and namespace), so any slot
+the tree reports for a prefix can be checked byte for byte, wherever the bytes travelled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_controller import HiCacheController
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+    build_dsv4_stack,
+    build_kv_dsa_stack,
+    build_kv_mamba_stack,
+)
+from sglang.srt.mem_cache.memory_pool import (
+    DeepSeekV4StatePool,
+    DSAIndexerPool,
+    LogicalAnchorPool,
+    MambaPool,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+
+LAYERS, HEADS, HEAD_DIM = 2, 1, 2
+
+
+def make_params(page_size=1, device_pages=16, eviction_policy="lru", layer_num=LAYERS, device="cpu",
+                **kwargs) -> CacheInitParams:
+    pool = MHATokenToKVPool(device_pages * page_size, page_size, torch.float32, HEADS, HEAD_DIM, layer_num, device)
+    alloc = PagedTokenToKVPoolAllocator(pool.size, page_size, kvcache=pool)
+    return CacheInitParams(page_size=page_size, token_to_kv_pool_allocator=alloc, eviction_policy=eviction_policy, **kwargs)
+
+
+def make_radix(page_size=1, device_pages=16, eviction_policy="lru") -> RadixCache:
+    return RadixCache(make_params(page_size, device_pages, eviction_policy))
+
+
+def make_hicache(page_size=1, device_pages=16, host_pages=32, write_policy="write_through", eviction_policy="lru",
+                 io_backend="direct", layout="layer_first", host_cls=MHATokenToKVPoolHost, load_back_threshold=0,
+                 layer_num=LAYERS, device="cpu", **param_kwargs) -> HiRadixCache:
+    params = make_params(page_size, device_pages, eviction_policy, layer_num, device, **param_kwargs)
+    device_pool = params.token_to_kv_pool_allocator.get_kvcache()
+    host = host_cls(device_pool, size=host_pages * page_size, layout=layout, io_backend=io_backend)
+    controller = HiCacheController(params, host, write_policy)
+    return HiRadixCache(params, controller, load_back_threshold)
+
+
+def token_values(tokens: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
+    """One float per token, a function of the namespace and every token up to it (exact in fp32)."""
+    h = sum((i + 1) * ord(c) for i, c in enumerate(extra_key or "")) % 1009
+    out = []
+    for t in tokens:
+        h = (h * 131 + int(t) + 7) % 65521
+        out.append(float(h + 1))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def expected_kv(tokens, extra_key=None, layer_num=LAYERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) shaped (layers, tokens, heads, head_dim)."""
+    v = token_values(tokens, extra_key)
+    layer = torch.arange(layer_num, dtype=torch.float32).view(-1, 1, 1, 1) / 8
+    elem = torch.arange(HEADS * HEAD_DIM, dtype=torch.float32).view(1, 1, HEADS, HEAD_DIM) / 16
+    k = v.view(1, -1, 1, 1) + layer + elem
+    return k, -k
+
+
+def write_kv(pool, slots: torch.Tensor, tokens, extra_key=None, start: int = 0) -> None:
+    """Write the KV of ``tokens[start:]`` into ``slots[start:]`` (what a forward pass does)."""
+    k, v = expected_kv(tokens, extra_key, pool.layer_num)
+    idx = slots[start:].to(pool.device)
+    pool.buffers["k"][:, idx] = k[:, start:].to(pool.device)
+    pool.buffers["v"][:, idx] = v[:, start:].to(pool.device)
+
+
+def assert_kv(pool, slots: torch.Tensor, tokens, extra_key=None) -> None:
+    k, v = expected_kv(tokens, extra_key, pool.layer_num)
+    idx = slots.to(pool.device)
+    got_k, got_v = pool.buffers["k"][:, idx].cpu(), pool.buffers["v"][:, idx].cpu()
+    assert torch.equal(got_k.view(torch.int32), k.view(torch.int32)), "K bytes differ"
+    assert torch.equal(got_v.view(torch.int32), v.view(torch.int32)), "V bytes differ"
+
+
+@dataclass
+class Req:
+    """What the tree reads from a request (see RadixCache's module docstring)."""
+
+    fill_ids: list[int]
+    extra_key: str | None
+    kv_indices: torch.Tensor
+    prefix_indices: torch.Tensor
+    last_node: TreeNode
+    host_hit_length: int = 0
+    loaded: int = 0
+
+
+def start_request(cache, tokens, extra_key=None, load_back=True) -> Req | None:
+    """Match, load back host hits, lock, allocate the rest (evicting if needed) and write the new
+    tokens' KV. Returns None (nothing held) when the device is too full."""
+    P = cache.page_size
+    alloc = cache.token_to_kv_pool_allocator
+    m = cache.match_prefix(RadixKey(tokens, extra_key))
+    prefix, last, loaded = m.device_indices, m.last_device_node, 0
+    if load_back and m.host_hit_length:
+        got = cache.init_load_back(m.last_host_node, m.host_hit_length)
+        if got is not None:
+            prefix, last, loaded = torch.cat([prefix, got]), m.last_host_node, got.numel()
+            cache.ready_to_load_host_cache()
+    cache.inc_lock_ref(last)
+    need = math.ceil((len(tokens) - prefix.numel()) / P) * P
+    if alloc.available_size() < need:
+        cache.evict(need - alloc.available_size())
+    slots = alloc.alloc(need)
+    if loaded:  # the forward waits for every layer of the batch's load, admitted or not
+        cache.cache_controller.load_lane.synchronize()
+    if slots is None:
+        cache.dec_lock_ref(last)
+        return None
+    kv = torch.cat([prefix, slots])[: len(tokens)]
+    write_kv(alloc.get_kvcache(), kv, tokens, extra_key, start=prefix.numel())
+    return Req(list(tokens), extra_key, kv, prefix, last, m.host_hit_length, loaded)
+
+
+def held_pages(cache, reqs) -> list[torch.Tensor]:
+    """Whole pages held by running requests (their tail pages included)."""
+    P, out = cache.page_size, []
+    for r in reqs:
+        own = r.kv_indices[r.prefix_indices.numel():]
+        if own.numel():
+            pages = torch.unique(own // P)
+            out.append((pages.view(-1, 1) * P + torch.arange(P)).view(-1))
+    return out
+
+
+# ---- hybrid stacks ----------------------------------------------------------------------
+HYBRID_PAGE, HYBRID_SLOTS = 2, 16
+
+
+def params_for(pool, **coords) -> CacheInitParams:
+    alloc = PagedTokenToKVPoolAllocator(pool.size, pool.page_size, kvcache=pool)
+    return CacheInitParams(page_size=pool.page_size, token_to_kv_pool_allocator=alloc, **coords)
+
+
+def kv_mamba_stack(config: HiCacheConfig | None = None, mamba_slots: int = 4, **coords):
+    kv = MHATokenToKVPool(HYBRID_SLOTS, HYBRID_PAGE, torch.float32, 1, 2, LAYERS)
+    mamba = MambaPool(mamba_slots, [(2, 3)], (2, 2), LAYERS + 1, conv_dtype=torch.bfloat16)
+    return build_kv_mamba_stack(params_for(kv, **coords), mamba, config or HiCacheConfig(io_backend="direct"))
+
+
+def kv_dsa_stack(config: HiCacheConfig | None = None, **coords):
+    kv = MLATokenToKVPool(HYBRID_SLOTS, HYBRID_PAGE, torch.bfloat16, 4, 2, LAYERS)
+    indexer = DSAIndexerPool(HYBRID_SLOTS, HYBRID_PAGE, 4, LAYERS - 1)
+    return build_kv_dsa_stack(params_for(kv, **coords), indexer, config or HiCacheConfig(io_backend="direct"))
+
+
+def dsv4_stack(config: HiCacheConfig | None = None, **coords):
+    anchor = LogicalAnchorPool(HYBRID_SLOTS, HYBRID_PAGE, LAYERS)
+    state = DeepSeekV4StatePool(HYBRID_SLOTS, HYBRID_PAGE, 6, LAYERS)
+    return build_dsv4_stack(params_for(anchor, **coords), state, config or HiCacheConfig(io_backend="direct"))
+
+
+STACKS = {"kv_mamba": kv_mamba_stack, "kv_dsa": kv_dsa_stack, "dsv4": dsv4_stack}
+
+
+def fill_random(tensor: torch.Tensor, slots: torch.Tensor, gen: torch.Generator) -> None:
+    """Random bytes into ``tensor[:, slots]`` (a layer-major device component)."""
+    view = tensor[:, slots]
+    raw = torch.randint(0, 256, view.contiguous().view(torch.uint8).shape, dtype=torch.uint8, generator=gen)
+    tensor[:, slots] = raw.view(view.dtype).view(view.shape)
+
+
+def snapshot(pool, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Bytes of every component of ``pool`` at ``slots``, all layers."""
+    return {name: buf[:, slots].contiguous().view(torch.uint8).clone() for name, buf in pool.buffers.items()}
