@@ -1,0 +1,29 @@
+"""PD transfer interfaces: KVArgs, KVPoll and the manager / sender / receiver ABCs."""
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    DisaggregationMode,
+    IncompatiblePeerError,
+    KVArgs,
+    KVPoll,
+    KVTransferError,
+    StateType,
+    TransferConfig,
+)
+
+__all__ = [
+    "BaseKVBootstrapServer",
+    "BaseKVManager",
+    "BaseKVReceiver",
+    "BaseKVSender",
+    "DisaggregationMode",
+    "IncompatiblePeerError",
+    "KVArgs",
+    "KVPoll",
+    "KVTransferError",
+    "StateType",
+    "TransferConfig",
+]

@@ -1,0 +1,103 @@
+"""The shape facts prefill and decode must agree on, and the check that refuses a mismatch.
+
+``PeerInfo`` travels in the bootstrap registration (prefill) and in the decode's registration
+with each prefill rank; both sides run ``check_peer_compat`` so a bad pairing fails at bootstrap,
+before any byte moves, with a message naming both values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVArgs, StateType
+from sglang.srt.disaggregation.common.rank_mapping import check_tp_pairing, check_tp_size, heads_per_rank
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What one side's ranks look like. Lists are per buffer, as in KVArgs (bytes per item)."""
+
+    tp_size: int
+    page_size: int
+    kv_dtype: str
+    head_dim: int
+    layer_num: int
+    is_mla: bool
+    total_kv_head_num: int
+    kv_item_lens: tuple[int, ...]
+    state_type: str
+    state_item_lens: tuple[int, ...]
+    state_dims: tuple[int, ...]
+    aux_item_lens: tuple[int, ...]
+
+    @classmethod
+    def from_kv_args(cls, args: KVArgs) -> "PeerInfo":
+        return cls(
+            tp_size=args.tp_size, page_size=args.page_size, kv_dtype=args.kv_dtype, head_dim=args.head_dim,
+            layer_num=args.layer_num, is_mla=args.is_mla, total_kv_head_num=args.effective_total_kv_head_num,
+            kv_item_lens=tuple(args.kv_item_lens), state_type=args.state_type.value,
+            state_item_lens=tuple(args.state_item_lens), state_dims=tuple(args.state_dim_per_tensor),
+            aux_item_lens=tuple(args.aux_item_lens),
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj) -> "PeerInfo":
+        """Parse a dict from the wire; raise ValueError naming the bad field."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"peer info must be an object, got {type(obj).__name__}")
+        kwargs = {}
+        for f in fields(cls):
+            if f.name not in obj:
+                raise ValueError(f"peer info lacks field {f.name!r}")
+            value = obj[f.name]
+            if f.type.startswith("tuple"):
+                if not isinstance(value, list) or not all(type(v) is int for v in value):
+                    raise ValueError(f"peer info field {f.name!r} must be a list of ints, got {value!r}")
+                value = tuple(value)
+            elif not isinstance(value, {"int": int, "str": str, "bool": bool}[f.type]):
+                raise ValueError(f"peer info field {f.name!r} must be {f.type}, got {value!r}")
+            kwargs[f.name] = value
+        StateType(kwargs["state_type"])
+        return cls(**kwargs)
+
+
+def _same(name: str, prefill, decode) -> None:
+    if prefill != decode:
+        raise IncompatiblePeerError(f"{name} mismatch: prefill {prefill!r} vs decode {decode!r}")
+
+
+def check_peer_compat(prefill: PeerInfo, decode: PeerInfo) -> None:
+    """Raise IncompatiblePeerError naming both values unless the pair can exchange KV."""
+    for name in ("page_size", "kv_dtype", "head_dim", "layer_num", "is_mla", "state_type"):
+        _same(name, getattr(prefill, name), getattr(decode, name))
+    _same("number of KV buffers", len(prefill.kv_item_lens), len(decode.kv_item_lens))
+    _same("number of state buffers", len(prefill.state_item_lens), len(decode.state_item_lens))
+    _same("aux item bytes", prefill.aux_item_lens, decode.aux_item_lens)
+    check_tp_pairing(prefill.tp_size, decode.tp_size)
+    if prefill.is_mla:
+        _same("KV item bytes", prefill.kv_item_lens, decode.kv_item_lens)
+    else:
+        _same("total_kv_head_num", prefill.total_kv_head_num, decode.total_kv_head_num)
+        heads = prefill.total_kv_head_num
+        check_tp_size(heads, prefill.tp_size, "prefill")
+        check_tp_size(heads, decode.tp_size, "decode")
+        hp, hd = heads_per_rank(heads, prefill.tp_size), heads_per_rank(heads, decode.tp_size)
+        for i, (lp, ld) in enumerate(zip(prefill.kv_item_lens, decode.kv_item_lens)):
+            if lp % hp or ld % hd or lp // hp != ld // hd:
+                raise IncompatiblePeerError(
+                    f"KV buffer {i} bytes per head mismatch: prefill {lp} B / {hp} heads vs decode {ld} B / {hd} heads"
+                )
+    for i, (lp, dp, ld, dd) in enumerate(zip(prefill.state_item_lens, prefill.state_dims, decode.state_item_lens,
+                                             decode.state_dims)):
+        if lp // dp != ld // dd:
+            raise IncompatiblePeerError(
+                f"state buffer {i} row bytes mismatch: prefill {lp} B / {dp} rows vs decode {ld} B / {dd} rows"
+            )
+        if dp * prefill.tp_size != dd * decode.tp_size:
+            raise IncompatiblePeerError(
+                f"state buffer {i} total rows mismatch: prefill {dp} x tp {prefill.tp_size} vs "
+                f"decode {dd} x tp {decode.tp_size}"
+            )

@@ -1,0 +1,1 @@
+"""PD KV transfer over NIXL (UCX): manager, sender, receiver, bootstrap server."""

@@ -1,0 +1,165 @@
+"""NIXL PD transfer: the per-request sender (prefill) and receiver (decode), and the bootstrap
+server prefill hosts. ``NixlKVManager`` lives in ``manager.py`` and is re-exported here.
+
+Per request, decode: ``NixlKVReceiver(mgr, addr, room)`` -> poll() until WaitingForInput ->
+``init(page_ids, aux_index, state_slots)`` -> poll() until Success or Failed. Prefill:
+``NixlKVSender(mgr, addr, room)`` -> ``init(num_pages, aux_index)`` -> poll() until
+WaitingForInput -> ``send(page_ids)`` per chunk (state slots with the last) -> poll() until
+Success or Failed. Polling drives the NIXL transfers, so schedulers poll every step. On Failed
+the caller frees the request's pages; ``failure_exception()`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVReceiver,
+    BaseKVSender,
+    DisaggregationMode,
+    IncompatiblePeerError,
+    KVPoll,
+    KVTransferError,
+    as_page_ids,
+)
+from sglang.srt.disaggregation.common.bootstrap import CommonKVBootstrapServer
+from sglang.srt.disaggregation.nixl.manager import KVRoute, NixlKVManager
+from sglang.srt.disaggregation.nixl.status import TransferStatus
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVRoute", "NixlKVBootstrapServer", "NixlKVManager", "NixlKVReceiver", "NixlKVSender", "TransferStatus"]
+
+_TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+class NixlKVBootstrapServer(CommonKVBootstrapServer):
+    """The HTTP bootstrap server a prefill deployment hosts (one per prefill cluster)."""
+
+
+def _check_mode(mgr: NixlKVManager, mode: DisaggregationMode, who: str) -> None:
+    if mgr.mode is not mode:
+        raise ValueError(f"{who} needs a {mode.value} NixlKVManager, got a {mgr.mode.value} one")
+
+
+class NixlKVSender(BaseKVSender):
+    """Prefill side of room ``bootstrap_room``. Mutates the manager's room of that id."""
+
+    def __init__(self, mgr: NixlKVManager, bootstrap_addr: str, bootstrap_room: int):
+        _check_mode(mgr, DisaggregationMode.PREFILL, "NixlKVSender")
+        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
+        self._room = mgr.prefill_room(self.room)
+        self._final: KVPoll | None = None
+        self._failure: str | None = None
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        """``num_kv_indices``: pages of the whole request; ``aux_index``: row of the aux buffers."""
+        if num_kv_indices < 0:
+            raise ValueError(f"num_kv_indices must be >= 0, got {num_kv_indices}")
+        with self.mgr._lock:
+            self._room.num_pages, self._room.aux_index = int(num_kv_indices), aux_index
+
+    def send(self, kv_indices, state_indices=None) -> None:
+        """Post a chunk of source page ids; ``state_indices`` (request slots) go with the last."""
+        if self._final is not None:
+            return
+        slots = None if state_indices is None else as_page_ids(state_indices, "state_indices")
+        self.mgr.send_chunk(self.room, as_page_ids(kv_indices, "kv_indices"), slots)
+
+    def poll(self) -> KVPoll:
+        if self._final is not None:
+            return self._final
+        state = self.mgr.poll_prefill_room(self.room)
+        if state in _TERMINAL:
+            self._finish(state, self._room.failure)
+        return state
+
+    def _finish(self, state: KVPoll, failure: str | None) -> None:
+        self._final, self._failure = state, failure
+        self.mgr.drop_prefill_room(self.room)
+
+    def failure_exception(self) -> KVTransferError | None:
+        return None if self._failure is None else KVTransferError(f"room {self.room}: {self._failure}")
+
+    def abort(self) -> None:
+        """Fail the room now, release its transfers and tell decode."""
+        if self._final is not None:
+            return
+        with self.mgr._lock:
+            self.mgr._fail_prefill_room(self._room, "aborted by prefill")
+        self._finish(KVPoll.Failed, self._room.failure)
+
+
+class NixlKVReceiver(BaseKVReceiver):
+    """Decode side of room ``bootstrap_room`` fed by the prefill cluster at ``bootstrap_addr``."""
+
+    def __init__(self, mgr: NixlKVManager, bootstrap_addr: str, bootstrap_room: int):
+        _check_mode(mgr, DisaggregationMode.DECODE, "NixlKVReceiver")
+        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
+        self._room = mgr.decode_room(self.room, bootstrap_addr)
+        self._final: KVPoll | None = None
+        self._failure: str | None = None
+        self._next_try = 0.0
+        self._try_bootstrap()
+
+    def _try_bootstrap(self) -> None:
+        """Resolve targets (blocking HTTP, rate-limited to every 50 ms). An unreachable server is
+        retried (prefill may still be starting); an incompatible one fails the room."""
+        if self._room.targets is not None or time.monotonic() < self._next_try:
+            return
+        self._next_try = time.monotonic() + 0.05
+        try:
+            targets = self.mgr.resolve_targets(self.bootstrap_addr)
+        except IncompatiblePeerError as exc:
+            with self.mgr._lock:
+                self.mgr._fail_decode_room(self._room, str(exc), tell_prefill=False)
+            return
+        except KVTransferError as exc:  # not up yet, or gone: retried until the bootstrap timeout
+            self._room.bootstrap_error = str(exc)
+            return
+        if targets is not None:
+            with self.mgr._lock:
+                self._room.targets = targets
+
+    def init(self, kv_indices, aux_index: int | None = None, state_indices=None) -> None:
+        """Start the transfer into destination page ids ``kv_indices`` (and aux row, state slots).
+
+        Raises ValueError before bootstrap finished or on ids outside this rank's buffers.
+        """
+        if self.poll() is KVPoll.Failed:
+            return
+        if self._room.targets is None or self._room.status is not None:
+            raise ValueError(f"room {self.room}: init() needs state WaitingForInput, got {self.poll().name}")
+        a = self.mgr.args
+        pages = as_page_ids(kv_indices, "kv_indices")
+        slots = as_page_ids([] if state_indices is None else state_indices, "state_indices")
+        limit = min(a.num_kv_pages)
+        if pages.size and (pages.min() < 0 or pages.max() >= limit):
+            raise ValueError(f"kv_indices must be page ids in [0, {limit}), got [{pages.min()}, {pages.max()}]")
+        if slots.size and not a.state_data_ptrs:
+            raise ValueError(f"state_indices {slots.tolist()} given but this rank registered no state buffers")
+        self.mgr.send_requests(self.room, pages, aux_index, slots)
+
+    def poll(self) -> KVPoll:
+        if self._final is not None:
+            return self._final
+        if self._room.targets is None and self._room.failure is None:
+            self._try_bootstrap()
+        state = self.mgr.poll_decode_room(self.room)
+        if state in _TERMINAL:
+            self._final, self._failure = state, self._room.failure
+            self.mgr.drop_decode_room(self.room)
+        return state
+
+    def failure_exception(self) -> KVTransferError | None:
+        return None if self._failure is None else KVTransferError(f"room {self.room}: {self._failure}")
+
+    def abort(self) -> None:
+        """Fail the room now and tell every prefill target."""
+        if self._final is not None:
+            return
+        with self.mgr._lock:
+            self.mgr._fail_decode_room(self._room, "aborted by decode")
+        self._final, self._failure = KVPoll.Failed, self._room.failure
+        self.mgr.drop_decode_room(self.room)

@@ -1,0 +1,254 @@
+"""Decode half of NixlKVManager: bootstrap lookup, registration, requests, notifications.
+
+Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control`` and ``args``.
+Mutates ``self.decode_rooms``, ``self.registered_prefill`` and ``self.bootstrap_cache``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVPoll
+from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
+from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
+from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, Notif
+from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, required_dst_info_num
+from sglang.srt.disaggregation.common.staging import scatter_heads, staged_bytes
+from sglang.srt.disaggregation.nixl.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSideMixin:
+    # ---- bootstrap ----------------------------------------------------------------------------
+
+    def resolve_targets(self, addr: str) -> list[DecodeTarget] | None:
+        """Look up the prefill ranks this rank talks to and register with each (once per rank).
+
+        Returns None while the bootstrap server is not complete; raises IncompatiblePeerError when
+        the prefill side cannot be paired, KVTransferError when the server is unreachable.
+        Blocking HTTP; call without holding ``self._lock``.
+        """
+        client = BootstrapClient(addr)
+        with self._lock:
+            info = self.bootstrap_cache.get(addr)
+        if info is None:
+            par = client.parallel_info()
+            if par is None:
+                return None
+            try:
+                prefill = PeerInfo.from_json(par.get("peer"))
+            except ValueError as exc:
+                raise IncompatiblePeerError(f"bootstrap server {addr} sent bad peer info: {exc}") from None
+            check_peer_compat(prefill, self.peer_info)
+            info = {"peer": prefill, "records": {}}
+            with self._lock:
+                self.bootstrap_cache[addr] = info
+        prefill: PeerInfo = info["peer"]
+        plans = plan_decode_rank(prefill.total_kv_head_num, prefill.tp_size, self.args.tp_size, self.args.tp_rank,
+                                 self.args.is_mla, bool(self.args.state_data_ptrs))
+        targets = []
+        for plan in plans:
+            record = info["records"].get(plan.prefill_rank) or client.rank_record(plan.prefill_rank)
+            if record is None:
+                return None
+            info["records"][plan.prefill_rank] = record
+            self._ensure_registered(record)
+            targets.append(DecodeTarget(plan, record["agent_name"], record["engine_rank"]))
+        return targets
+
+    def _ensure_registered(self, record: dict) -> None:
+        name = record["agent_name"]
+        with self._lock:
+            if name in self.registered_prefill:
+                return
+            self.registered_prefill[name] = record["engine_rank"]
+            metadata = self.agent.get_agent_metadata()
+        a = self.args
+        header = {"ip": self.config.host, "port": self.control.port, "engine_rank": a.engine_rank, "tp_rank": a.tp_rank,
+                  "peer": self.peer_info.to_json(), "kv_ptrs": a.kv_data_ptrs, "kv_lens": a.kv_data_lens,
+                  "aux_ptrs": a.aux_data_ptrs, "aux_lens": a.aux_data_lens, "state_ptrs": a.state_data_ptrs,
+                  "state_lens": a.state_data_lens, "staging_ptr": self.staging.ptr if self.staging else 0,
+                  "staging_len": self.staging.nbytes if self.staging else 0}
+        self.control.add_peer(name, record["ip"], record["port"])
+        self.control.send(name, MsgKind.REGISTER, header, [metadata])
+        logger.info("%s registered with prefill %s (engine rank %d)", self.agent_name, name, record["engine_rank"])
+
+    # ---- rooms --------------------------------------------------------------------------------
+
+    def decode_room(self, room_id: int, addr: str) -> DecodeRoom:
+        with self._lock:
+            if room_id in self.decode_rooms:
+                raise ValueError(f"room {room_id} already has a receiver on {self.agent_name}")
+            room = self.decode_rooms[room_id] = DecodeRoom(room_id, addr)
+            return room
+
+    def drop_decode_room(self, room_id: int) -> None:
+        with self._lock:
+            room = self.decode_rooms.pop(room_id, None)
+            if room is not None:
+                self._release_staging(room)
+
+    def _fail_decode_room(self, room: DecodeRoom, reason: str, tell_prefill: bool = True) -> None:
+        """Mark Failed and (unless the news came from prefill) ABORT every target. Idempotent."""
+        if room.failure is not None:
+            return
+        room.failure = reason
+        logger.warning("%s room %d failed: %s", self.agent_name, room.room, reason)
+        self._release_staging(room)
+        if tell_prefill:
+            for t in room.targets or ():
+                self.control.send(t.agent_name, MsgKind.ABORT, {"room": room.room, "reason": reason})
+
+    def send_requests(self, room_id: int, page_ids: np.ndarray, aux_index: int | None, state_slots: np.ndarray) -> None:
+        """Send every target its REQUEST (destination page ids, state slots, aux row, duties)."""
+        with self._lock:
+            room = self.decode_rooms[room_id]
+            has_aux = bool(self.args.aux_data_ptrs) and aux_index is not None
+            has_state = state_slots.size > 0
+            targets = room.targets
+            aux_sender = next((t.engine_rank for t in targets if t.plan.send_aux), None) if has_aux else None
+            room.status = TransferStatus(
+                {t.engine_rank for t in targets if t.plan.send_kv},
+                {t.engine_rank for t in targets if t.plan.send_state and has_state},
+                aux_sender,
+            )
+            room.init_at, room.page_ids = time.monotonic(), page_ids
+            prefill: PeerInfo = self.bootstrap_cache[room.bootstrap_addr]["peer"]
+            for t in targets:
+                header = {"room": room_id, "engine_rank": self.args.engine_rank, "tp_rank": self.args.tp_rank,
+                          "required_dst_info_num": required_dst_info_num(prefill.tp_size, self.args.tp_size),
+                          "send_kv": t.plan.send_kv, "send_state": t.plan.send_state and has_state,
+                          "send_aux": t.engine_rank == aux_sender, "aux_index": aux_index or 0,
+                          "staging_offset": self._reserve_staging(room, t, prefill) if t.plan.send_kv else -1}
+                if not self.control.send(t.agent_name, MsgKind.REQUEST, header, [page_ids, state_slots]):
+                    self._fail_decode_room(room, f"prefill {t.agent_name} unreachable")
+                    return
+
+    def _reserve_staging(self, room: DecodeRoom, target: DecodeTarget, prefill: PeerInfo) -> int:
+        """Staging offset for a target that sends whole source tokens covering part of each of
+        ours (Tp > Td), recorded in ``room.staged``; -1 when not applicable or staging is full."""
+        if self.staging is None or self.args.is_mla:
+            return -1
+        hs = head_slice(prefill.total_kv_head_num, prefill.tp_size, target.plan.prefill_rank, self.args.tp_size,
+                        self.args.tp_rank)
+        if hs is None or hs.is_whole_token or hs.num_heads != hs.src_heads:
+            return -1
+        slice_bytes = [i // hs.dst_heads * hs.num_heads for i in self.args.kv_item_lens]
+        nbytes = staged_bytes(room.page_ids.size * self.args.page_size, slice_bytes)
+        off = self.staging.alloc(nbytes)
+        if off is None:
+            logger.debug("%s: staging full (%d bytes wanted); per-token descriptors", self.agent_name, nbytes)
+            return -1
+        room.staged.append(StagedSlice(off, nbytes, hs))
+        return off
+
+    def _release_staging(self, room: DecodeRoom) -> None:
+        for st in room.staged:
+            self.staging.free(st.offset, st.nbytes)
+        room.staged = []
+
+    def _scatter_staged(self, room: DecodeRoom) -> None:
+        """Move every staged slice of a complete room into the pool, then free the staging."""
+        a, view = self.args, self.staging.tensor.numpy() if room.staged else None
+        for st in room.staged:
+            hs = st.head_slice
+            scatter_heads(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens, [i // hs.dst_heads for i in a.kv_item_lens],
+                          hs.dst_head_offset, hs.num_heads, a.page_size, room.page_ids,
+                          view[st.offset:st.offset + st.nbytes])
+        self._release_staging(room)
+
+    def drain_notifs(self) -> None:
+        """File every new NIXL notification into its room; bad or unknown ones are logged and dropped."""
+        with self._lock:
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as exc:
+                logger.error("%s: reading notifications failed: %s", self.agent_name, exc)
+                return
+            for agent_name, messages in notifs.items():
+                for raw in messages:
+                    self._file_notif(agent_name, raw)
+
+    def _file_notif(self, agent_name: str, raw: bytes) -> None:
+        try:
+            notif = Notif.parse(raw)
+        except MalformedMessage as exc:
+            logger.warning("%s dropped notification from %s: %s", self.agent_name, agent_name, exc)
+            return
+        room = self.decode_rooms.get(notif.room)
+        if room is None or room.status is None or room.failure is not None:
+            logger.debug("%s dropped %r: room not waiting", self.agent_name, raw)
+            return
+        sender = {t.engine_rank: t.agent_name for t in room.targets}.get(notif.engine_rank)
+        if sender != agent_name:
+            logger.warning("%s dropped %r from %s: engine rank %d belongs to %s", self.agent_name, raw, agent_name,
+                           notif.engine_rank, sender)
+            return
+        try:
+            room.status.record(notif)
+        except ValueError as exc:
+            logger.warning("%s dropped notification: %s", self.agent_name, exc)
+
+    def poll_decode_room(self, room_id: int) -> KVPoll:
+        """Drain notifications, then say where the room stands; applies the transfer timeout."""
+        self.drain_notifs()
+        with self._lock:
+            room = self.decode_rooms[room_id]
+            if room.failure is not None:
+                return KVPoll.Failed
+            now = time.monotonic()
+            if room.targets is None:
+                if now - room.created > self.config.bootstrap_timeout_s:
+                    self._fail_decode_room(room, f"prefill at {room.bootstrap_addr} not ready within "
+                                                 f"{self.config.bootstrap_timeout_s}s (last error: "
+                                                 f"{room.bootstrap_error or 'none, still registering'})")
+                    return KVPoll.Failed
+                return KVPoll.Bootstrapping
+            if room.status is None:
+                return KVPoll.WaitingForInput
+            if room.status.is_done():
+                self._scatter_staged(room)
+                return KVPoll.Success
+            if now - room.init_at > self.config.transfer_timeout_s:
+                self._fail_decode_room(room, f"transfer not done within {self.config.transfer_timeout_s}s; "
+                                             f"missing {room.status.missing()}")
+                return KVPoll.Failed
+            return KVPoll.Transferring
+
+    # ---- peer events --------------------------------------------------------------------------
+
+    def _forget_prefill(self, name: str) -> None:
+        self.registered_prefill.pop(name, None)
+        for addr, info in list(self.bootstrap_cache.items()):
+            if any(r["agent_name"] == name for r in info["records"].values()):
+                del self.bootstrap_cache[addr]
+
+    def _decode_peer_dead(self, name: str, reason: str) -> None:
+        with self._lock:
+            self._forget_prefill(name)
+            for room in self.decode_rooms.values():
+                done = room.status is not None and room.status.is_done()
+                if not done and any(t.agent_name == name for t in room.targets or ()):
+                    self._fail_decode_room(room, f"prefill peer lost: {reason}")
+
+    def _handle_reject(self, msg: Message) -> None:
+        name, room_id, reason = msg.header["agent_name"], msg.header["room"], msg.header["reason"]
+        with self._lock:
+            if room_id == -1:
+                self._forget_prefill(name)
+                self.control.remove_peer(name)
+                rooms = [r for r in self.decode_rooms.values() if any(t.agent_name == name for t in r.targets or ())]
+            else:
+                rooms = [self.decode_rooms[room_id]] if room_id in self.decode_rooms else []
+            for room in rooms:
+                self._fail_decode_room(room, f"prefill {name} refused: {reason}")
+
+    def _handle_decode_abort(self, msg: Message) -> None:
+        with self._lock:
+            room = self.decode_rooms.get(msg.header["room"])
+            if room is not None and not (room.status is not None and room.status.is_done()):
+                self._fail_decode_room(room, f"prefill {msg.header['agent_name']} aborted: {msg.header['reason']}")

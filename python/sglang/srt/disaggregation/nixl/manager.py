@@ -1,0 +1,306 @@
+"""NixlKVManager: one rank's NIXL agent, control channel and room bookkeeping.
+
+Prefill: registers with the bootstrap server, accepts decode REGISTER / REQUEST messages, and
+writes pages with NIXL WRITE + a notification tag (``send_kvcache``, ``send_kvcache_slice``,
+``send_state``, ``send_aux``). Decode: resolves prefill ranks through the bootstrap server,
+registers its buffers with each, and files arriving notifications into per-room
+``TransferStatus``. Either side fails every room of a peer that stops heartbeating, and tells
+the other side (ABORT) when a room fails locally. All room state is guarded by ``self._lock``;
+NIXL agent calls happen under it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter, OrderedDict
+from enum import Enum
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVManager,
+    DisaggregationMode,
+    IncompatiblePeerError,
+    KVArgs,
+    KVTransferError,
+    TransferConfig,
+)
+from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
+from sglang.srt.disaggregation.common.compat import PeerInfo
+from sglang.srt.disaggregation.common.control import ControlChannel
+from sglang.srt.disaggregation.common.descriptors import (
+    Descs,
+    kv_page_descs,
+    kv_token_slice_descs,
+    row_descs,
+    state_descs,
+)
+from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif, NotifKind
+from sglang.srt.disaggregation.common.staging import StagingArea, gather_heads, staged_bytes
+from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
+from sglang.srt.disaggregation.nixl.prefill_side import PrefillSideMixin
+from sglang.srt.disaggregation.nixl.status import DecodeRoom, DstInfo, PrefillRoom, Transfer
+
+logger = logging.getLogger(__name__)
+
+
+class KVRoute(str, Enum):
+    """How a chunk's KV travelled (counted in ``NixlKVManager.route_counts``)."""
+
+    PAGES = "pages"  # whole pages, both sides hold the same heads (or MLA)
+    DECODE_STAGING = "decode_staging"  # whole source pages into the decode's staging, scattered there
+    GATHER = "gather"  # heads gathered into local staging, written as whole destination pages
+    TOKEN_SLICE = "token_slice"  # one descriptor per (buffer, token): send_kvcache_slice
+
+
+class NixlKVManager(PrefillSideMixin, DecodeSideMixin, BaseKVManager):
+    """Construct one per rank. Prefill needs ``config.bootstrap_addr``; it blocks until the
+    bootstrap server accepted this rank (IncompatiblePeerError when refused, KVTransferError when
+    unreachable within ``bootstrap_timeout_s``)."""
+
+    def __init__(self, args: KVArgs, mode: DisaggregationMode, config: TransferConfig = TransferConfig()):
+        from nixl._api import nixl_agent, nixl_agent_config  # heavy; loaded where used
+
+        self.args, self.mode, self.config = args, DisaggregationMode(mode), config
+        if self.mode is DisaggregationMode.PREFILL and not config.bootstrap_addr:
+            raise ValueError("prefill NixlKVManager needs TransferConfig.bootstrap_addr ('host:port')")
+        self.peer_info = PeerInfo.from_kv_args(args)
+        self.agent_name = f"{self.mode.value}-{args.engine_rank}-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
+            enable_prog_thread=config.nixl_progress_thread, backends=["UCX"]))
+        self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
+        staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
+        regions = [
+            (int(p), int(n), 0, "")
+            for p, n in [*zip(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+                              args.kv_data_lens + args.aux_data_lens + args.state_data_lens), *staging_region]
+        ]
+        self._reg_descs = self.agent.register_memory(regions, "DRAM")
+        self.prefill_rooms: dict[int, PrefillRoom] = {}
+        self.failed_rooms: OrderedDict[int, str] = OrderedDict()  # prefill side: tombstones
+        self.decode_rooms: dict[int, DecodeRoom] = {}
+        self.decode_peers: dict[str, dict] = {}  # prefill side: agent name -> REGISTER header
+        self.registered_prefill: dict[str, int] = {}  # decode side: prefill agent name -> engine rank
+        self.bootstrap_cache: dict[str, dict] = {}  # decode side: bootstrap addr -> prefill info
+        self.route_counts: Counter[KVRoute] = Counter()  # prefill side
+        self.control = ControlChannel(
+            config.host, self.agent_name, self._on_message, self._on_peer_dead,
+            config.heartbeat_interval_s, config.heartbeat_timeout_s, self._progress,
+        )
+        if self.mode is DisaggregationMode.PREFILL:
+            self._register_with_bootstrap()
+        logger.info("NixlKVManager %s: %d KV, %d aux, %d state buffers; control port %d", self.agent_name,
+                    len(args.kv_data_ptrs), len(args.aux_data_ptrs), len(args.state_data_ptrs), self.control.port)
+
+    # ---- control messages -------------------------------------------------------------------
+
+    def _on_message(self, msg: Message) -> None:
+        handler = {
+            (DisaggregationMode.PREFILL, MsgKind.REGISTER): self._handle_register,
+            (DisaggregationMode.PREFILL, MsgKind.REQUEST): self._handle_request,
+            (DisaggregationMode.PREFILL, MsgKind.ABORT): self._handle_prefill_abort,
+            (DisaggregationMode.DECODE, MsgKind.REJECT): self._handle_reject,
+            (DisaggregationMode.DECODE, MsgKind.ABORT): self._handle_decode_abort,
+        }.get((self.mode, msg.kind))
+        if handler is None:
+            logger.warning("%s dropped %s from %s: not expected on this side", self.agent_name, msg.kind.value,
+                           msg.header["agent_name"])
+            return
+        handler(msg)
+
+    def _progress(self) -> None:
+        """Background progress on every heartbeat tick, for when the scheduler is not polling:
+        decode drains (and files) notifications, prefill checks its in-flight handles."""
+        if self.mode is DisaggregationMode.DECODE:
+            self.drain_notifs()
+            return
+        with self._lock:
+            for room in self.prefill_rooms.values():
+                for transfer in room.handles:
+                    self.check(transfer)
+
+    def _on_peer_dead(self, name: str, reason: str) -> None:
+        if self.mode is DisaggregationMode.PREFILL:
+            self._prefill_peer_dead(name, reason)
+        else:
+            self._decode_peer_dead(name, reason)
+
+    # ---- byte movement ----------------------------------------------------------------------
+
+    def _post(self, remote: str, descs: Descs, notif: Notif, staging: tuple[int, int] | None = None):
+        """WRITE ``descs`` to ``remote`` with ``notif``; a bare notification when there are no
+        bytes. Returns a Transfer owning ``staging`` (None for a bare notification, whose staging
+        is freed at once); raises KVTransferError after freeing ``staging``."""
+        tag = notif.encode()
+        with self._lock:
+            try:
+                if len(descs) == 0:
+                    self.agent.send_notif(remote, tag)
+                    self._free_staging(staging)
+                    return None
+                src = self.agent.get_xfer_descs(descs.src, "DRAM")
+                dst = self.agent.get_xfer_descs(descs.dst, "DRAM")
+                handle = self.agent.initialize_xfer("WRITE", src, dst, remote, tag)
+            except Exception as exc:  # the binding raises bare nixl errors
+                self._free_staging(staging)
+                raise KVTransferError(f"NIXL could not start {tag!r} to {remote}: {exc!r}") from exc
+            try:
+                state = self.agent.transfer(handle)
+            except Exception as exc:  # e.g. nixlRemoteDisconnectError when the peer died
+                state = f"ERR ({exc!r})"
+            if state.startswith("ERR"):
+                self.finish(Transfer(remote, handle, staging))
+                raise KVTransferError(f"NIXL failed to post {tag!r} to {remote}: {state}")
+            logger.debug("posted %s: %d descriptors, %d bytes", tag, len(descs), descs.total_bytes)
+            return Transfer(remote, handle, staging)
+
+    def _free_staging(self, staging: tuple[int, int] | None) -> None:
+        if staging is not None:
+            self.staging.free(*staging)
+
+    def _kv_notif(self, room: PrefillRoom, dst: DstInfo, is_last: bool) -> Notif:
+        """The next KV chunk tag for ``dst`` (chunk ids count per destination)."""
+        notif = Notif(room.room, NotifKind.KV, self.args.engine_rank, dst.next_chunk, is_last)
+        dst.next_chunk += 1
+        return notif
+
+    def send_kvcache(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
+                     dst_pages: np.ndarray, first_page: int, is_last: bool) -> None:
+        """Post the KV of one chunk: ``src_pages`` (this rank's page ids) to ``dst_pages`` (the
+        decode's), pages [first_page, first_page + n) of the request; appends every posted
+        Transfer to ``room.handles`` at once. Route: whole pages; whole pages into the decode's
+        staging; local gathers then whole pages; else per-token head slices."""
+        hs, page_size = dst.head_slice, self.args.page_size
+        if hs is None or src_pages.size == 0:
+            self.route_counts[KVRoute.PAGES] += 1
+            descs = kv_page_descs(self.args.kv_data_ptrs, peer["kv_ptrs"], self.args.kv_item_lens, page_size,
+                                  src_pages, dst_pages)
+            return self._track(room, self._post(dst.agent_name, descs, self._kv_notif(room, dst, is_last)))
+        if dst.staging_offset >= 0:
+            self.route_counts[KVRoute.DECODE_STAGING] += 1
+            items = np.asarray(self.args.kv_item_lens, dtype=np.int64)
+            tokens = dst.page_ids.size * page_size
+            bases = peer["staging_ptr"] + dst.staging_offset + np.concatenate([[0], np.cumsum(tokens * items)[:-1]])
+            descs = kv_page_descs(self.args.kv_data_ptrs, bases, items, page_size, src_pages,
+                                  np.arange(first_page, first_page + src_pages.size))
+            return self._track(room, self._post(dst.agent_name, descs, self._kv_notif(room, dst, is_last)))
+        if hs.num_heads == hs.dst_heads and self.staging is not None:
+            return self._send_gathered(room, dst, peer, src_pages, dst_pages, is_last)
+        self.route_counts[KVRoute.TOKEN_SLICE] += 1
+        self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, self._kv_notif(room, dst, is_last)))
+
+    def _send_gathered(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
+                       dst_pages: np.ndarray, is_last: bool) -> None:
+        """Gather the heads into local staging laid out as the destination pages, then write page
+        runs; per-token slices when staging has no room. (Splitting a chunk into several
+        outstanding WRITEs to overlap gather and copy measured far slower on UCX/CMA.)"""
+        hs, page_size = dst.head_slice, self.args.page_size
+        dst_items = np.asarray(peer["peer"]["kv_item_lens"], dtype=np.int64)
+        notif = self._kv_notif(room, dst, is_last)
+        tokens = src_pages.size * page_size
+        nbytes = staged_bytes(tokens, dst_items)
+        off = self.staging.alloc(nbytes)
+        if off is None:
+            logger.debug("%s: staging full (%d bytes wanted); per-token descriptors", self.agent_name, nbytes)
+            self.route_counts[KVRoute.TOKEN_SLICE] += 1
+            return self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, notif))
+        self.route_counts[KVRoute.GATHER] += 1
+        head_bytes = [i // hs.src_heads for i in self.args.kv_item_lens]
+        gather_heads(self.args.kv_data_ptrs, self.args.kv_data_lens, self.args.kv_item_lens, head_bytes,
+                     hs.src_head_offset, hs.num_heads, page_size, src_pages,
+                     self.staging.tensor.numpy()[off:off + nbytes])
+        bases = self.staging.ptr + off + np.concatenate([[0], np.cumsum(tokens * dst_items)[:-1]])
+        descs = kv_page_descs(bases, peer["kv_ptrs"], dst_items, page_size, np.arange(src_pages.size), dst_pages)
+        self._track(room, self._post(dst.agent_name, descs, notif, staging=(off, nbytes)))
+
+    def send_kvcache_slice(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, dst_pages: np.ndarray,
+                           notif: Notif):
+        """Per token, the heads ``dst.head_slice`` names (heterogeneous TP, MHA/GQA)."""
+        descs = kv_token_slice_descs(
+            self.args.kv_data_ptrs, self.args.kv_item_lens, peer["kv_ptrs"], peer["peer"]["kv_item_lens"],
+            self.args.page_size, src_pages, dst_pages, dst.head_slice,
+        )
+        return self._post(dst.agent_name, descs, notif)
+
+    def send_state(self, dst: DstInfo, peer: dict, src_slots: np.ndarray, notif: Notif):
+        """Mamba state of the request slots, sliced along the TP-sharded dim when Tp != Td."""
+        p = peer["peer"]
+        descs = state_descs(
+            self.args.state_data_ptrs, self.args.state_item_lens, self.args.state_dim_per_tensor,
+            peer["state_ptrs"], p["state_item_lens"], p["state_dims"], src_slots, dst.state_slots, dst.state_slices,
+        )
+        return self._post(dst.agent_name, descs, notif)
+
+    def send_aux(self, dst: DstInfo, peer: dict, aux_index: int, notif: Notif):
+        descs = row_descs(self.args.aux_data_ptrs, peer["aux_ptrs"], self.args.aux_item_lens, aux_index, dst.aux_index)
+        return self._post(dst.agent_name, descs, notif)
+
+    def check(self, transfer: Transfer) -> str:
+        """"DONE", "PROC" or "ERR" of a posted transfer."""
+        with self._lock:
+            try:
+                return self.agent.check_xfer_state(transfer.handle)
+            except Exception as exc:  # a disconnected peer surfaces as an exception
+                logger.warning("%s: transfer state check failed: %r", self.agent_name, exc)
+                return "ERR"
+
+    def finish(self, transfer: Transfer) -> None:
+        """Release the handle (NIXL cancels it if still running) and its staging; idempotent,
+        never raises."""
+        with self._lock:
+            if transfer.handle is not None:
+                try:
+                    self.agent.release_xfer_handle(transfer.handle)
+                except Exception as exc:
+                    logger.warning("%s: releasing transfer handle failed: %s", self.agent_name, exc)
+            self._free_staging(transfer.staging)
+            transfer.handle = transfer.staging = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def num_active_rooms(self) -> int:
+        with self._lock:
+            return len(self.prefill_rooms) + len(self.decode_rooms)
+
+    def close(self) -> None:
+        """Stop the control channel, release every handle and deregister memory."""
+        self.control.close()
+        with self._lock:
+            for room in self.prefill_rooms.values():
+                for transfer in room.handles:
+                    self.finish(transfer)
+            self.prefill_rooms.clear()
+            self.decode_rooms.clear()
+            try:
+                self.agent.deregister_memory(self._reg_descs)
+            except Exception as exc:
+                logger.warning("%s: deregistering memory failed: %s", self.agent_name, exc)
+            self.agent = None  # drops the NIXL agent and its UCX workers
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _register_with_bootstrap(self) -> None:
+        record = {"engine_rank": self.args.engine_rank, "tp_rank": self.args.tp_rank, "ip": self.config.host,
+                  "port": self.control.port, "agent_name": self.agent_name, "peer": self.peer_info.to_json()}
+        client = BootstrapClient(self.config.bootstrap_addr)
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        while True:
+            try:
+                client.register_rank(record)
+                return
+            except IncompatiblePeerError:
+                self.close()
+                raise
+            except KVTransferError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise
+                time.sleep(0.1)
