@@ -9,14 +9,18 @@ the same code. Completion is reported through acks that the tree consumes in ord
 Pools are reached by ``PoolName`` through ``PoolBinding``s: the plain controller has one (``kv``);
 ``HybridCacheController`` binds every pool of a ``HostPoolGroup`` (sidecars move with the anchor).
 
-Storage (L3) hook points, for the storage work: ``parallel_coords()`` is what a storage config
-derives from; ``held_host_indices()`` reports host slots held by in-flight storage operations
-(prefetch reservations) to the integrity check; ``close()`` is where storage threads stop.
+Storage (L3): with ``storage_backend`` (a StorageBackendFactory name) the controller builds the
+backend from a storage config derived from ``parallel_coords()`` and runs the prefetch, IO and
+backup threads of ``storage_controller.py`` (``self.storage``; the backend is
+``self.storage_backend``). ``held_host_indices()`` reports host slots held by in-flight
+prefetches to the integrity check; ``get_stats()`` gives per-tier counters; ``close()`` stops
+every thread and closes the backend.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,6 +31,7 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoor
 from sglang.srt.mem_cache.hicache_config import WritePolicy
 from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
 from sglang.srt.mem_cache.tp_agreement import TPAgreement
 from sglang.srt.mem_cache.transfer_lane import make_lane
 
@@ -84,15 +89,36 @@ class PoolBinding:
     device_alloc: object
 
 
+class TierCounters:
+    """Thread-safe integer counters of one tier."""
+
+    def __init__(self, *names: str):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class HiCacheController:
-    """L1<->L2 queues and lanes for one tree.
+    """L1<->L2 queues and lanes for one tree, and optionally the L2<->L3 threads.
 
     ``params`` (CacheInitParams) gives the device allocator, the TP group and the parallel
-    coordinates; nothing else is consulted for them.
+    coordinates; nothing else is consulted for them. ``storage_backend`` (None: no L3),
+    ``storage_backend_extra_config`` (dict or JSON string) and ``model_name`` take the server's
+    flags as they are; a bad value raises ValueError naming the key.
     """
 
     def __init__(self, params: CacheInitParams, mem_pool_host, write_policy="write_through", io_backend=None,
-                 bindings: dict[PoolName, PoolBinding] | None = None, anchor_name: PoolName = PoolName.KV):
+                 bindings: dict[PoolName, PoolBinding] | None = None, anchor_name: PoolName = PoolName.KV,
+                 storage_backend: str | None = None, storage_backend_extra_config: dict | str | None = None,
+                 model_name: str | None = None):
         allocator = params.token_to_kv_pool_allocator
         if allocator is None:
             raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required for a HiCache controller")
@@ -111,6 +137,13 @@ class HiCacheController:
         }
         if anchor_name not in self.bindings:
             raise ValueError(f"anchor pool {anchor_name.value!r} has no binding; bound: {[n.value for n in self.bindings]}")
+        self.storage = None
+        self.storage_backend = None
+        self.storage_config = None
+        if storage_backend is not None:  # before any thread starts: a bad hookup leaks nothing
+            self._attach_storage(storage_backend, storage_backend_extra_config, model_name)
+        elif storage_backend_extra_config:
+            raise ValueError("storage_backend_extra_config is set but storage_backend is None; set both or neither")
         self.agreement = TPAgreement(params.tp_cache_group)
         device = self.mem_pool_device.device
         self.write_lane = make_lane("hicache-write", device)
@@ -123,6 +156,7 @@ class HiCacheController:
         self.load_queue: list[CacheOperation] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
+        self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
         logger.info(
             "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s",
             [n.value for n in self.bindings], self.write_policy.value, self.layer_num, device,
@@ -157,8 +191,61 @@ class HiCacheController:
             self._allocator(tier, name).free(indices)
 
     def held_host_indices(self) -> list[torch.Tensor]:
-        """Host slots held by in-flight operations outside the tree (storage hook; none here)."""
+        """Host slots held by in-flight prefetches (reserved, not yet in the tree or freed)."""
+        return self.storage.held_host_indices() if self.storage is not None else []
+
+    # ---- storage (L3) ---------------------------------------------------------------------
+    def _storage_host(self):
+        """What the storage backend registers: the host pool (a HostPoolGroup in hybrids)."""
+        return self.mem_pool_host
+
+    def _storage_side_pools(self) -> list[PoolName]:
+        """Pools moved with every anchor page through the v2 API (none: the v1 API)."""
         return []
+
+    def _attach_storage(self, name: str, extra_config, model_name: str | None) -> None:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+        from sglang.srt.mem_cache.storage_controller import StorageController
+
+        extra = parse_extra_config_arg(extra_config, "storage_backend_extra_config")
+        settings, backend_extra = split_extra_config(extra)
+        if not isinstance(model_name, str) or not model_name:
+            raise ValueError(f"model_name must be a non-empty string with storage_backend {name!r}, got {model_name!r}")
+        side = self._storage_side_pools()
+        host = self._storage_host()
+        config = HiCacheStorageConfig.from_cache_params(self.parallel_coords(), host, model_name, backend_extra)
+        backend = StorageBackendFactory.create_backend(name, config, host)
+        anchor = self.anchor_name
+        self.storage = StorageController(backend, self.page_size, settings, side,
+                                         lambda idx: self.free(Tier.HOST, anchor, idx))
+        self.storage_backend, self.storage_config = backend, config
+        logger.info("HiCacheController: L3 backend %s, side pools %s, %s", name, [p.value for p in side], settings)
+
+    def get_stats(self) -> dict[str, dict[str, int]]:
+        """Per-tier counters: ``l2`` (device<->host: pages, bytes, failures) and ``l3``
+        (storage: the backend's get_stats() merged with the controller's; empty without L3)."""
+        return {"l2": self.l2_counters.snapshot(), "l3": self.storage.stats() if self.storage is not None else {}}
+
+    def _count_l2(self, transfers: list[L2Transfer], direction: str) -> None:
+        pages = bytes_moved = 0
+        for t in transfers:
+            slots = t.host_indices.numel()
+            if t.name is self.anchor_name:
+                pages += slots // self.page_size
+            for host, _ in self._binding(t.name).pairs:
+                bytes_moved += slots * host.get_size_per_token()
+        self.l2_counters.add(**{f"pages_{direction}": pages, f"bytes_{direction}": bytes_moved})
+
+    def _counted(self, job):
+        def run():
+            try:
+                job()
+            except BaseException:
+                self.l2_counters.add(failures=1)
+                raise
+
+        return run
 
     # ---- writes (device -> host) ----------------------------------------------------------
     def write(self, transfers: list[L2Transfer], node_ids: list[int], ack: bool = True):
@@ -176,7 +263,8 @@ class HiCacheController:
                     host.backup_from_device_all_layer(device, t.host_indices, t.device_indices, self.io_backend)
             finish.record()
 
-        self.write_lane.submit(job, [finish])
+        self._count_l2(op.transfers, "written")
+        self.write_lane.submit(self._counted(job), [finish])
         if ack:
             self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
         return finish
@@ -210,8 +298,9 @@ class HiCacheController:
                             )
                 layer_events.complete(layer)
 
+        self._count_l2(op.transfers, "loaded")
         try:
-            self.load_lane.submit(job, layer_events.events)
+            self.load_lane.submit(self._counted(job), layer_events.events)
         except BaseException as exc:  # never leave armed events that nobody will record
             for ev in layer_events.events:
                 ev.fail(exc)
@@ -258,6 +347,8 @@ class HiCacheController:
         self.layer_done_counter.reset()
 
     def close(self) -> None:
-        """Stop the lanes (and, with storage, its threads)."""
+        """Stop the lanes and, with storage, its threads and the backend; idempotent."""
+        if self.storage is not None:
+            self.storage.close()
         self.write_lane.close()
         self.load_lane.close()

@@ -35,6 +35,8 @@ class HiMambaRadixCache(HiRadixCache):
     def __init__(self, params, cache_controller, load_back_threshold: int = 0):
         if MAMBA not in cache_controller.bindings:
             raise ValueError("HiMambaRadixCache needs a controller with a 'mamba' pool (HybridCacheController)")
+        if cache_controller.storage is not None:
+            raise ValueError("HiMambaRadixCache does not support L3 storage yet (no Mamba state from storage)")
         self._pending_mamba: torch.Tensor | None = None
         super().__init__(params, cache_controller, load_back_threshold)
 

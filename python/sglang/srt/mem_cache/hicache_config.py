@@ -1,6 +1,10 @@
-"""HiCacheConfig: the L1<->L2 settings of a HiCache stack (the ``--hicache-*`` flags).
+"""HiCacheConfig: the settings of a HiCache stack (the ``--hicache-*`` flags), L2 and L3.
 
-Parallel coordinates are NOT here: they live in ``CacheInitParams`` only.
+Parallel coordinates are NOT here: they live in ``CacheInitParams`` only. The storage (L3)
+fields take the server's flags as they are: ``storage_backend`` (a StorageBackendFactory name),
+``storage_backend_extra_config`` (a dict or a JSON object string; the controller's own keys are
+listed in ``storage_settings.py``, the rest goes to the backend), ``prefetch_policy`` and
+``model_name``.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
+from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
 
 
 class WritePolicy(str, Enum):
@@ -35,6 +40,33 @@ class WritePolicy(str, Enum):
         return _THRESHOLD[self]
 
 
+class PrefetchPolicy(str, Enum):
+    """When a waiting request stops waiting for its L3 prefetch.
+
+    ``best_effort``: at the first ``check_prefetch_progress``, with what has arrived.
+    ``wait_complete``: once every page that storage holds has arrived (or failed).
+    ``timeout``: like ``wait_complete``, but at most ``prefetch_timeout_base +
+    prefetch_timeout_per_ki_token * hit_tokens / 1024`` seconds after the prefetch started.
+    Every policy also stops at ``prefetch_timeout_max`` (a backend that hangs cannot hold a
+    request forever).
+    """
+
+    BEST_EFFORT = "best_effort"
+    WAIT_COMPLETE = "wait_complete"
+    TIMEOUT = "timeout"
+
+    @classmethod
+    def parse(cls, value: "str | PrefetchPolicy") -> "PrefetchPolicy":
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"prefetch_policy {value!r} is not allowed; allowed: {', '.join(m.value for m in cls)}"
+            ) from None
+
+
+DEFAULT_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
+
 _THRESHOLD = {
     WritePolicy.WRITE_THROUGH: 1,
     WritePolicy.WRITE_THROUGH_SELECTIVE: 2,
@@ -51,6 +83,12 @@ class HiCacheConfig:
     proportion to their bytes per token). ``io_backend``: None picks ``kernel`` on CUDA and
     ``direct`` elsewhere. ``load_back_threshold``: host hits shorter than this many tokens are
     recomputed instead of loaded.
+
+    ``storage_backend``: None (no L3) or a StorageBackendFactory name (``file``, ``nixl``,
+    ``dynamic``); ``model_name`` is then required (it is part of every storage key).
+    ``storage_backend_extra_config``: a dict or a JSON object string, validated here: the
+    controller's keys (``storage_settings.py``) by value, the backend's keys when the backend
+    is built. ``prefetch_policy``: see :class:`PrefetchPolicy`.
     """
 
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
@@ -59,6 +97,10 @@ class HiCacheConfig:
     mem_layout: HostLayout | str = HostLayout.LAYER_FIRST
     io_backend: IOBackend | str | None = None
     load_back_threshold: int = 0
+    storage_backend: str | None = None
+    storage_backend_extra_config: dict | str | None = None
+    prefetch_policy: PrefetchPolicy | str = DEFAULT_PREFETCH_POLICY
+    model_name: str | None = None
 
     def __post_init__(self):
         self.write_policy = WritePolicy.parse(self.write_policy)
@@ -71,3 +113,34 @@ class HiCacheConfig:
             raise ValueError(f"hicache_ratio must be > 0 when hicache_size_gb is 0, got {self.hicache_ratio}")
         if self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {self.load_back_threshold}")
+        self.prefetch_policy = PrefetchPolicy.parse(self.prefetch_policy)
+        self._check_storage()
+
+    def _check_storage(self) -> None:
+        extra = parse_extra_config_arg(self.storage_backend_extra_config, "storage_backend_extra_config")
+        if self.storage_backend is None:
+            if extra:
+                raise ValueError("storage_backend_extra_config is set but storage_backend is None; set both or neither")
+            return
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        known = StorageBackendFactory.known_backends()
+        if self.storage_backend not in known:
+            raise ValueError(f"storage_backend {self.storage_backend!r} is not allowed; allowed: {', '.join(known)}")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(
+                f"model_name must be a non-empty string when storage_backend is set, got {self.model_name!r}"
+            )
+        split_extra_config(extra)  # the controller's keys: a bad value fails here, naming the key
+        self.storage_backend_extra_config = extra
+
+    @property
+    def storage_kwargs(self) -> dict:
+        """Keyword arguments that attach this config's L3 backend to a HiCacheController."""
+        if self.storage_backend is None:
+            return {}
+        return {
+            "storage_backend": self.storage_backend,
+            "storage_backend_extra_config": dict(self.storage_backend_extra_config),
+            "model_name": self.model_name,
+        }

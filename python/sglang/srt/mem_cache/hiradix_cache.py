@@ -15,11 +15,11 @@ TP ranks keep identical trees: every locally observed quantity (free slots for a
 load-back, transfers finished) is agreed by an all-reduce MIN before the tree acts on it, and
 each of those calls happens on every rank (see ``tp_agreement.py``).
 
-Storage (L3) hook points: ``_on_write_done(node)`` runs when a host copy is acknowledged (the
-place to queue an L3 backup with ``node.hash_value``); ``_storage_progress()`` returns extra
-integers appended to the one per-step agreement vector, and ``_on_storage_progress(agreed)``
-receives them back agreed; ``protect_host``/``release_host`` pin host copies for L3 operations;
-``insert_host`` is how pages fetched from storage enter the tree (host-only nodes).
+Storage (L3), when the controller has a backend: ``prefetch_from_storage`` /
+``check_prefetch_progress`` / ``release_aborted_request`` bring pages from storage into
+host-only nodes, and every acknowledged host copy is backed up to storage
+(``hiradix_storage.py``). Their counts ride on the one per-step agreement vector
+(``_storage_progress`` / ``_on_storage_progress``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ import torch
 from sglang.srt.mem_cache.cache_controller import HiCacheController, L2Transfer, Tier
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY
 from sglang.srt.mem_cache.hiradix_eviction import TierEvictionMixin
+from sglang.srt.mem_cache.hiradix_storage import StorageTreeMixin
 from sglang.srt.mem_cache.page_hash import page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -42,8 +44,12 @@ from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
 logger = logging.getLogger(__name__)
 
 
-class HiRadixCache(TierEvictionMixin, RadixCache):
-    def __init__(self, params: CacheInitParams, cache_controller: HiCacheController, load_back_threshold: int = 0):
+class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
+    """``prefetch_stop_policy``: when a waiting request stops waiting for its L3 prefetch
+    (``best_effort``, ``wait_complete``, ``timeout``); unused without storage."""
+
+    def __init__(self, params: CacheInitParams, cache_controller: HiCacheController, load_back_threshold: int = 0,
+                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
         if params.disable:
             raise ValueError("HiRadixCache cannot be disabled; use RadixCache(disable=True)")
         if cache_controller.params is not params:
@@ -60,6 +66,7 @@ class HiRadixCache(TierEvictionMixin, RadixCache):
         self._write_back_events: list = []
         self._write_back_nodes: list[TreeNode] = []
         self._deferred_device_free: list[dict[PoolName, torch.Tensor]] = []
+        self._init_storage(prefetch_stop_policy)
         super().__init__(params)
 
     def _new_root(self) -> None:
@@ -154,6 +161,7 @@ class HiRadixCache(TierEvictionMixin, RadixCache):
         for n in nodes:
             self.inc_lock_ref(n)
             self.ongoing_write_through[n.id] = n
+            self._write_tokens[n.id] = len(n.key)
         self.cache_controller.write(transfers, [n.id for n in nodes])
         return sum(len(n.key) for n in nodes)
 
@@ -171,7 +179,11 @@ class HiRadixCache(TierEvictionMixin, RadixCache):
         if host.numel() != len(key):
             raise ValueError(f"insert_host has {host.numel()} host slots for a key of {len(key)} tokens")
         check_page_aligned(host, self.page_size, "insert_host host_indices")
-        node, pos, now = self.root_node, 0, self._tick()
+        return self._insert_host_from(self.root_node, key, host)
+
+    def _insert_host_from(self, node: TreeNode, key: RadixKey, host: torch.Tensor) -> int:
+        """insert_host for ``key`` continuing after ``node`` (an attached node)."""
+        pos, now = 0, self._tick()
         while pos < len(key):
             child = self._step(node, key, pos)
             if child is None:
@@ -263,24 +275,20 @@ class HiRadixCache(TierEvictionMixin, RadixCache):
                 self.dec_lock_ref(self.ongoing_load_back.pop(nid))
         self._on_storage_progress(agreed[3:])
 
-    def _on_write_done(self, node: TreeNode) -> None:
-        """Hook: ``node``'s host copy is acknowledged on every rank (queue an L3 backup here)."""
-
-    def _storage_progress(self) -> list[int]:
-        """Hook: extra local counts to agree on with the L1<->L2 acks (fixed length)."""
-        return []
-
-    def _on_storage_progress(self, agreed: list[int]) -> None:
-        """Hook: the agreed values of ``_storage_progress``."""
-
     # ---- reset and integrity -----------------------------------------------------------------
     def reset(self) -> None:
-        """Wait for every transfer, consume the acks, drop every node and free its slots on both
-        tiers. ValueError while a request still holds a lock."""
-        self.cache_controller.synchronize()
-        self.check_hicache_events()
+        """Wait for every transfer (L3 backups included; prefetches end with nothing kept),
+        consume the acks, drop every node and free its slots on both tiers. ValueError while a
+        request still holds a lock."""
+        if self.storage is not None:
+            self._drain_storage()
+        else:
+            self.cache_controller.synchronize()
+            self.check_hicache_events()
         super().reset()
         self.cache_controller.reset()
+        self._write_tokens.clear()
+        self.prefetch_loaded_tokens.clear()
 
     def _check_node(self, node: TreeNode) -> None:
         if node.evicted and not node.backuped:
@@ -295,6 +303,7 @@ class HiRadixCache(TierEvictionMixin, RadixCache):
         for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
             if not self._is_attached(node) or node.evicted or node.lock_ref == 0:
                 raise CacheIntegrityError(f"node {nid} has a transfer in flight but is gone, evicted or unlocked")
+        self._check_storage_ops()
         owners = {
             "tree": [n.host_value for n in self._all_nodes()],
             "storage": self.cache_controller.held_host_indices(),

@@ -131,14 +131,16 @@ class TierEvictionMixin:
             except HiCacheTransferError:
                 ok = False
         self._write_back_events = []
-        for node in self._write_back_nodes:
+        nodes, self._write_back_nodes = self._write_back_nodes, []
+        for node in nodes:
             self.release_host(node)
-        self._write_back_nodes = []
         if not self.agreement.all_true(ok):
             raise HiCacheTransferError("a write-back to host failed on at least one TP rank")
         for slots in self._deferred_device_free:
             self._free_slots(Tier.DEVICE, slots)
         self._deferred_device_free = []
+        for node in nodes:
+            self._on_write_done(node)  # host copy acknowledged on every rank: L3 backup
 
     def _drop_subtree(self, node: TreeNode) -> dict[PoolName, int]:
         """Delete a device leaf that has no host copy, with its host-only descendants."""

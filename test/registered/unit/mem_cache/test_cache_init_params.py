@@ -1,6 +1,7 @@
 """CacheInitParams is the one source of tp/pp/attention-cp coordinates: every hybrid stack built
 with pp_rank=1/2, attn_cp_rank=1/2, tp_rank=1/2 carries exactly those in its controller, its tree
-and the storage config derived from the controller; validation names the bad field."""
+and the storage config derived from the controller (also the one the controller itself builds
+for its L3 backend); validation names the bad field."""
 
 import pytest
 from tree_fixtures import STACKS, make_hicache
@@ -10,7 +11,7 @@ from sglang.srt.mem_cache.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=3, suite="per-commit-cpu")
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 COORDS = dict(pp_rank=1, pp_size=2, attn_cp_rank=1, attn_cp_size=2, tp_rank=1, tp_size=2)
 
@@ -33,6 +34,31 @@ def test_every_hybrid_stack_carries_exactly_the_params_coordinates(stack_name):
 def test_plain_controller_reads_coordinates_from_params_only():
     h = make_hicache(page_size=2, **COORDS)
     assert h.cache_controller.parallel_coords() == ParallelCoords(**COORDS)
+    h.cache_controller.close()
+
+
+def _storage_config_of(controller):
+    config = controller.storage_config
+    assert config is controller.storage_backend.config  # the backend got exactly this config
+    return config
+
+
+@pytest.mark.parametrize("stack_name", ["kv_dsa", "dsv4"])
+def test_storage_config_built_by_a_hybrid_controller_carries_exactly_the_coordinates(tmp_path, stack_name):
+    config = HiCacheConfig(io_backend="direct", storage_backend="file", model_name="tiny-model",
+                           storage_backend_extra_config={"storage_dir": str(tmp_path)})
+    stack = STACKS[stack_name](config, **COORDS)
+    storage = _storage_config_of(stack.cache_controller)
+    assert {f: getattr(storage, f) for f in COORDS} == COORDS
+    stack.cache_controller.close()
+
+
+def test_storage_config_built_by_the_plain_controller_carries_exactly_the_coordinates(tmp_path):
+    store = {"storage_backend": "file", "model_name": "tiny-model",
+             "storage_backend_extra_config": {"storage_dir": str(tmp_path)}}
+    h = make_hicache(page_size=2, storage=store, **COORDS)
+    storage = _storage_config_of(h.cache_controller)
+    assert {f: getattr(storage, f) for f in COORDS} == COORDS
     h.cache_controller.close()
 
 

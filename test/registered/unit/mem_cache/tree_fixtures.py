@@ -50,12 +50,15 @@ def make_radix(page_size=1, device_pages=16, eviction_policy="lru") -> RadixCach
 
 def make_hicache(page_size=1, device_pages=16, host_pages=32, write_policy="write_through", eviction_policy="lru",
                  io_backend="direct", layout="layer_first", host_cls=MHATokenToKVPoolHost, load_back_threshold=0,
-                 layer_num=LAYERS, device="cpu", **param_kwargs) -> HiRadixCache:
+                 layer_num=LAYERS, device="cpu", storage: dict | None = None, prefetch_policy="timeout",
+                 **param_kwargs) -> HiRadixCache:
+    """``storage``: HiCacheController keyword arguments that attach an L3 backend
+    (``storage_backend``, ``storage_backend_extra_config``, ``model_name``)."""
     params = make_params(page_size, device_pages, eviction_policy, layer_num, device, **param_kwargs)
     device_pool = params.token_to_kv_pool_allocator.get_kvcache()
     host = host_cls(device_pool, size=host_pages * page_size, layout=layout, io_backend=io_backend)
-    controller = HiCacheController(params, host, write_policy)
-    return HiRadixCache(params, controller, load_back_threshold)
+    controller = HiCacheController(params, host, write_policy, **(storage or {}))
+    return HiRadixCache(params, controller, load_back_threshold, prefetch_policy)
 
 
 def token_values(tokens: Sequence[int], extra_key: str | None = None) -> torch.Tensor:
@@ -106,9 +109,40 @@ class Req:
     loaded: int = 0
 
 
-def start_request(cache, tokens, extra_key=None, load_back=True) -> Req | None:
+def pattern_kv(pool, tokens, salt: float = 0.0) -> dict[str, torch.Tensor]:
+    """Per component of ``pool`` (any kind): (layers, tokens, ...) values in the pool's dtype, a
+    function of every token up to each position and of ``salt`` (e.g. the TP rank)."""
+    v = token_values(tokens)
+    out = {}
+    for name, buf in pool.buffers.items():
+        layers, shape = buf.shape[0], tuple(buf.shape[2:])
+        ones = (1,) * len(shape)
+        t = (v.view(1, -1, *ones) + salt + torch.arange(layers, dtype=torch.float32).view(layers, 1, *ones) / 8
+             + torch.arange(math.prod(shape), dtype=torch.float32).view(1, 1, *shape) / 16)
+        out[name] = t.to(buf.dtype)
+    return out
+
+
+def write_pattern(pool, slots: torch.Tensor, tokens, salt: float = 0.0, start: int = 0) -> None:
+    """Write ``pattern_kv`` of ``tokens[start:]`` into ``slots[start:]`` of every component."""
+    idx = slots[start:].to(pool.device)
+    for name, values in pattern_kv(pool, tokens, salt).items():
+        pool.buffers[name][:, idx] = values[:, start:].to(pool.device)
+
+
+def pattern_matches(pool, slots: torch.Tensor, tokens, salt: float = 0.0) -> bool:
+    """Whether every component at ``slots`` holds exactly ``pattern_kv(tokens, salt)`` (bytes)."""
+    idx = slots.to(pool.device)
+    return all(
+        torch.equal(pool.buffers[name][:, idx].cpu().contiguous().view(torch.uint8), values.view(torch.uint8))
+        for name, values in pattern_kv(pool, tokens, salt).items()
+    )
+
+
+def start_request(cache, tokens, extra_key=None, load_back=True, writer=None) -> Req | None:
     """Match, load back host hits, lock, allocate the rest (evicting if needed) and write the new
-    tokens' KV. Returns None (nothing held) when the device is too full."""
+    tokens' KV (``writer(pool, slots, tokens, start)``, default ``write_kv``). Returns None
+    (nothing held) when the device is too full."""
     P = cache.page_size
     alloc = cache.token_to_kv_pool_allocator
     m = cache.match_prefix(RadixKey(tokens, extra_key))
@@ -129,7 +163,10 @@ def start_request(cache, tokens, extra_key=None, load_back=True) -> Req | None:
         cache.dec_lock_ref(last)
         return None
     kv = torch.cat([prefix, slots])[: len(tokens)]
-    write_kv(alloc.get_kvcache(), kv, tokens, extra_key, start=prefix.numel())
+    if writer is None:
+        write_kv(alloc.get_kvcache(), kv, tokens, extra_key, start=prefix.numel())
+    else:
+        writer(alloc.get_kvcache(), kv, tokens, prefix.numel())
     return Req(list(tokens), extra_key, kv, prefix, last, m.host_hit_length, loaded)
 
 

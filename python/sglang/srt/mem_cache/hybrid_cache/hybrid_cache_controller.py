@@ -4,6 +4,10 @@ The anchor pool's slots are what the tree tracks; sidecars (DSA indexer, DeepSee
 addressed with the same slots, so a transfer of anchor pages moves the sidecars' pages too.
 Pools with slots of their own (Mamba: one per state) get their own binding and their own
 transfers, and share the same lanes, acks and layer events as the anchor.
+
+Storage (L3): the backend registers the whole group; every sidecar moves with each anchor page
+through the v2 API (``batch_*_v2`` with one PoolTransfer per pool, the anchor's slots). Pools
+with their own slots (Mamba) are not wired to L3 yet: attaching storage to such a group raises.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 
 from sglang.srt.mem_cache.cache_controller import HiCacheController, PoolBinding
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.pool_host.group import HostPoolGroup
+from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolName
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +27,8 @@ class HybridCacheController(HiCacheController):
     (``alloc``/``free``/``available_size``) on both tiers."""
 
     def __init__(self, params: CacheInitParams, host_pool_group: HostPoolGroup, write_policy="write_through",
-                 io_backend=None):
+                 io_backend=None, storage_backend: str | None = None, storage_backend_extra_config=None,
+                 model_name: str | None = None):
         if not isinstance(host_pool_group, HostPoolGroup):
             raise TypeError(f"host_pool_group must be a HostPoolGroup, got {type(host_pool_group).__name__}")
         anchor = host_pool_group.anchor
@@ -40,4 +45,18 @@ class HybridCacheController(HiCacheController):
                     raise TypeError(f"pool {entry.name.value!r}: {type(obj).__name__} cannot hand out slots")
             bindings[entry.name] = PoolBinding([(entry.host_pool, entry.device_pool)], entry.host_pool, entry.device_pool)
         self.host_pool_group = host_pool_group
-        super().__init__(params, anchor.host_pool, write_policy, io_backend, bindings, anchor.name)
+        super().__init__(params, anchor.host_pool, write_policy, io_backend, bindings, anchor.name,
+                         storage_backend, storage_backend_extra_config, model_name)
+
+    def _storage_host(self):
+        return self.host_pool_group
+
+    def _storage_side_pools(self) -> list[PoolName]:
+        own = [e.name.value for e in self.host_pool_group.entries.values()
+               if e is not self.host_pool_group.anchor and not e.shares_anchor_slots]
+        if own:
+            raise ValueError(f"L3 storage is not supported with pools that have their own slots ({', '.join(own)}); "
+                             "start without a storage backend")
+        if self.anchor_name is not PoolName.KV:
+            raise ValueError(f"L3 storage needs the anchor pool to be named 'kv', got {self.anchor_name.value!r}")
+        return [e.name for e in self.host_pool_group.sidecars()]

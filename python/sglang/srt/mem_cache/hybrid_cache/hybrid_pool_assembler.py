@@ -10,6 +10,9 @@ Every builder reads parallel coordinates from ``params`` (CacheInitParams) and n
 passes ``params`` on unchanged, so the controller, the tree and any storage config derived from
 ``HybridStack.parallel_coords()`` all see the same values.
 
+Storage (L3): the sidecar stacks attach ``config.storage_backend`` (every sidecar moves with its
+anchor page) and use ``config.prefetch_policy``; the KV + Mamba stack refuses a storage backend.
+
 Host sizing: ``hicache_size_gb`` buys anchor slots at the bytes of an anchor slot plus its
 sidecars'; for KV + Mamba the budget is split in proportion to the device pools' bytes. Without
 it, each pool gets ``hicache_ratio`` times its device slots.
@@ -97,8 +100,9 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
         PoolEntry(PoolName.KV, anchor_host, anchor),
         [PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True)],
     )
-    controller = HybridCacheController(params, group, config.write_policy, io)
-    return HybridStack(params, group, controller, HiRadixCache(params, controller, config.load_back_threshold))
+    controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
+    tree = HiRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
+    return HybridStack(params, group, controller, tree)
 
 
 def build_kv_dsa_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
@@ -116,6 +120,9 @@ def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig 
 def build_kv_mamba_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """Attention KV anchor + Mamba states (own slots, one per cached state) -> HiMambaRadixCache."""
     config = config or HiCacheConfig()
+    if config.storage_backend is not None:
+        raise ValueError(f"storage_backend {config.storage_backend!r}: the KV + Mamba stack has no L3 support yet; "
+                         "use storage_backend=None")
     anchor = _anchor_device(params, (PoolKind.MHA, PoolKind.MLA, PoolKind.ASYMMETRIC_MHA))
     if getattr(mamba_pool, "kind", None) is not PoolKind.MAMBA:
         raise TypeError(f"expected a MambaPool, got {type(mamba_pool).__name__}")

@@ -1,0 +1,245 @@
+"""The L3 (storage) side of HiRadixCache: prefetch into host-only nodes, backup of host copies.
+
+Prefetch, for a waiting request (scheduler thread unless noted):
+
+1. ``prefetch_from_storage(req_id, last_host_node, new_input_tokens)`` pins ``last_host_node``
+   (``protect_host``), names the pages after it by the tree's hash chain and queues their
+   existence check (prefetch thread, chunks of 128 pages).
+2. ``check_hicache_events`` (every step) agrees with MIN how many queued checks are done on
+   every rank, then the hit pages of each (one more MIN), reserves host slots for them
+   (``_reserve``: agreed, evicting host leaves if needed) and starts the reads (IO thread).
+3. ``check_prefetch_progress(req_id)`` (every step while the request waits) agrees with MIN on
+   [all reads done, within the time budget, pages arrived]; by the stop policy it returns
+   False (keep waiting) or ends the prefetch: the pages that arrived on every rank become
+   host-only nodes under ``last_host_node`` (pages the tree got meanwhile are freed), the pin
+   goes, the rest of the reservation is freed once the IO thread lets go of it.
+
+Backup: when a host copy is acknowledged on every rank (``_on_write_done``), its pages are
+queued to the backup thread with their hashes, the host copy pinned; ``check_hicache_events``
+agrees how many backups finished (MIN) and unpins them.
+
+Collectives: every call above makes the same number of all-reduces on every rank whatever the
+local I/O did, because each count it branches on is an agreed value.
+
+A mixin of HiRadixCache: it uses the tree's ``cache_controller``, ``agreement``, ``KV``,
+``page_size``, ``_reserve``, ``_step``, ``protect_host``/``release_host``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from sglang.srt.mem_cache.cache_controller import Tier
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.hicache_config import PrefetchPolicy
+from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
+from sglang.srt.mem_cache.storage_ops import BackupOperation, PrefetchOperation, PrefetchState
+from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+
+logger = logging.getLogger(__name__)
+
+MAX_LOADED_RECORDS = 4096  # prefetch_loaded_tokens entries kept for requests nobody asked about
+
+
+class StorageTreeMixin:
+    def _init_storage(self, prefetch_stop_policy) -> None:
+        self.prefetch_stop_policy = PrefetchPolicy.parse(prefetch_stop_policy)
+        self.storage = self.cache_controller.storage  # None: no L3
+        self.ongoing_prefetch: dict[str, PrefetchOperation] = {}
+        self.prefetch_loaded_tokens: OrderedDict[str, int] = OrderedDict()
+        self._write_tokens: dict[int, int] = {}  # node id -> tokens of its host write (splits move them up)
+
+    @property
+    def enable_storage(self) -> bool:
+        return self.storage is not None
+
+    # ---- prefetch -----------------------------------------------------------------------
+    def prefetch_from_storage(self, req_id: str, last_host_node: TreeNode, new_input_tokens, last_hash=None,
+                              prefix_keys=None, extra_key: str | None = None) -> int:
+        """Start fetching the pages of ``new_input_tokens`` (the tokens right after
+        ``last_host_node``, e.g. the match's ``last_host_node``) from storage.
+
+        ``last_hash``, when given, must be ``last_host_node``'s last page hash (a check);
+        ``extra_key`` names the namespace when ``last_host_node`` is the root; ``prefix_keys``
+        is accepted for upstream compatibility and unused. Returns the tokens asked for (whole
+        pages), 0 when nothing was started (no storage, or fewer than ``prefetch_threshold``).
+        Mutates: pins ``last_host_node`` until the prefetch ends.
+        """
+        if self.storage is None:
+            return 0
+        if req_id in self.ongoing_prefetch:
+            raise ValueError(f"request {req_id!r} already has a prefetch in flight")
+        self._check_attached(last_host_node, "prefetch_from_storage")
+        P = self.page_size
+        tokens = [int(t) for t in new_input_tokens]
+        tokens = tokens[: len(tokens) // P * P]
+        if not tokens or len(tokens) < self.storage.settings.prefetch_threshold:
+            self.storage.count(prefetch_skipped=1)
+            return 0
+        if last_host_node is self.root_node:
+            prior = namespace_hash(extra_key)
+        else:
+            if extra_key is not None and extra_key != last_host_node.key.extra_key:
+                raise ValueError(f"extra_key {extra_key!r} differs from the node's {last_host_node.key.extra_key!r}")
+            extra_key, prior = last_host_node.key.extra_key, last_host_node.hash_value[-1]
+        if last_hash is not None and last_hash != prior:
+            raise ValueError("last_hash is not the last page hash of last_host_node")
+        op = PrefetchOperation(req_id, last_host_node, tokens, page_hashes(tokens, P, prior), extra_key)
+        self.protect_host(last_host_node)
+        self.ongoing_prefetch[req_id] = op
+        self.storage.submit_query(op)
+        return len(tokens)
+
+    def _time_budget(self, op: PrefetchOperation) -> float:
+        settings = self.storage.settings
+        if self.prefetch_stop_policy is PrefetchPolicy.TIMEOUT:
+            return settings.timeout_budget(op.hit_pages * self.page_size)
+        return settings.prefetch_timeout_max
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        """True when ``req_id`` may be scheduled: it has no prefetch, or its prefetch just ended
+        (its pages, if any, are host-only nodes now: match again). False: keep waiting.
+
+        Call it on every rank for the same requests in the same order: each call with a
+        prefetch in flight makes one all-reduce."""
+        op = self.ongoing_prefetch.get(req_id)
+        if op is None:
+            return True
+        local_done = op.state is PrefetchState.FINISHED or (op.state is PrefetchState.LOADING and op.io_done)
+        in_time = op.elapsed() < self._time_budget(op)
+        arrived = op.completed_pages if op.state is PrefetchState.LOADING else 0
+        done, in_time, arrived = self.agreement.min([int(local_done), int(in_time), arrived])
+        if not (done or not in_time or self.prefetch_stop_policy is PrefetchPolicy.BEST_EFFORT):
+            return False
+        if not done and not in_time:
+            self.storage.count(prefetch_timeouts=1)
+        self._end_prefetch(op, arrived)
+        return True
+
+    def _end_prefetch(self, op: PrefetchOperation, keep_pages: int) -> None:
+        """Insert the first ``keep_pages`` pages (arrived on every rank), unpin, release the rest."""
+        op.terminated = op.cancel = True
+        del self.ongoing_prefetch[op.request_id]
+        keep = keep_pages * self.page_size
+        inserted = 0
+        if keep:
+            host = op.host_indices[:keep]
+            key = RadixKey(op.tokens[:keep], op.extra_key)
+            dup = self._insert_host_from(op.last_node, key, host)
+            if dup:
+                self.cache_controller.free(Tier.HOST, self.KV, host[:dup])
+            inserted = keep - dup
+            self.storage.count(prefetch_pages_loaded=keep_pages, prefetch_pages_duplicate=dup // self.page_size)
+        self.release_host(op.last_node)
+        if op.state is PrefetchState.LOADING:
+            self.storage.release_prefetch(op, keep)
+        op.state = PrefetchState.FINISHED
+        if inserted:
+            self.prefetch_loaded_tokens[op.request_id] = inserted
+            while len(self.prefetch_loaded_tokens) > MAX_LOADED_RECORDS:
+                self.prefetch_loaded_tokens.popitem(last=False)
+        logger.debug("prefetch %s ended: %d of %d pages kept", op.request_id, keep_pages, op.hit_pages)
+
+    def pop_prefetch_loaded_tokens(self, req_id: str) -> int:
+        """Tokens that ``req_id``'s prefetch added to the tree (0 if none); forgets them."""
+        return self.prefetch_loaded_tokens.pop(req_id, 0)
+
+    def release_aborted_request(self, req_id: str) -> None:
+        """Drop ``req_id``'s prefetch (nothing is inserted). Same call on every rank; no collective."""
+        self.prefetch_loaded_tokens.pop(req_id, None)
+        op = self.ongoing_prefetch.get(req_id)
+        if op is not None:
+            self._end_prefetch(op, 0)
+
+    def _start_prefetch_reads(self, ops: list[PrefetchOperation]) -> None:
+        """Agree the hit pages of ``ops`` (existence checks done on every rank), reserve host
+        slots for them and start the reads. One all-reduce, plus one per reservation."""
+        if not ops:
+            return
+        hits = self.agreement.min([op.local_hit_pages for op in ops])
+        threshold = self.storage.settings.prefetch_threshold
+        for op, n in zip(ops, hits):
+            if op.terminated:
+                continue
+            op.hit_pages = n
+            self.storage.count(prefetch_pages_found=n)
+            op.state = PrefetchState.FINISHED
+            if n == 0 or n * self.page_size < threshold:
+                self.storage.count(prefetch_skipped=1)
+                continue
+            host = self._reserve(Tier.HOST, {self.KV: n * self.page_size})
+            if host is None:
+                self.storage.count(prefetch_host_full=1)
+                continue
+            op.host_indices, op.state = host[self.KV], PrefetchState.LOADING
+            self.storage.start_io(op)
+
+    # ---- backup -------------------------------------------------------------------------
+    def _on_write_done(self, node: TreeNode) -> None:
+        """Queue the L3 backup of the host copy just acknowledged (splits since the write
+        included: the write covered ``node`` and the ancestors split off it)."""
+        written = self._write_tokens.pop(node.id, len(node.key))
+        if self.storage is None:
+            return
+        region, x, covered = [], node, 0
+        while covered < written and x is not self.root_node:
+            region.append(x)
+            covered += len(x.key)
+            x = x.parent
+        region.reverse()
+        self._queue_backup(region)
+
+    def write_backup_storage(self, node: TreeNode) -> int:
+        """Queue an L3 backup of ``node``'s host copy; pages queued (0: no storage or host copy)."""
+        self._check_attached(node, "write_backup_storage")
+        if self.storage is None or not node.backuped:
+            return 0
+        return self._queue_backup([node])
+
+    def _queue_backup(self, nodes: list[TreeNode]) -> int:
+        keys = [h for n in nodes for h in n.hash_value]
+        host = torch.cat([n.host_value for n in nodes])
+        self.protect_host(nodes[-1])
+        self.storage.submit_backup(BackupOperation(nodes[-1], keys, host))
+        return len(keys)
+
+    # ---- per-step agreement (with check_hicache_events) ---------------------------------
+    def _storage_progress(self) -> list[int]:
+        if self.storage is None:
+            return []
+        self.storage.reap()
+        return [self.storage.leading_backups_done(), self.storage.leading_queries_done()]
+
+    def _on_storage_progress(self, agreed: list[int]) -> None:
+        if self.storage is None:
+            return
+        backups, queries = agreed
+        for op in self.storage.pop_backups(backups):
+            self.release_host(op.node)
+        self._start_prefetch_reads(self.storage.pop_queries(queries))
+
+    # ---- flush and integrity ------------------------------------------------------------
+    def _drain_storage(self) -> None:
+        """Before a reset: end every prefetch (nothing kept), let every backup finish and be
+        acknowledged, free what prefetches held. Same calls on every rank."""
+        if self.storage is None:
+            return
+        for op in list(self.ongoing_prefetch.values()):
+            self._end_prefetch(op, 0)
+        self.cache_controller.synchronize()
+        self.storage.synchronize()
+        self.check_hicache_events()  # host writes acked now queue their backups
+        self.storage.synchronize()
+        self.check_hicache_events()
+        self.storage.reap()
+        if self.storage.holding or self.storage.backup_queue or self.storage.query_queue:
+            raise CacheIntegrityError("storage operations still in flight after draining")
+
+    def _check_storage_ops(self) -> None:
+        for req_id, op in self.ongoing_prefetch.items():
+            node = op.last_node
+            if not self._is_attached(node) or (node is not self.root_node and node.host_ref_counter <= 0):
+                raise CacheIntegrityError(f"prefetch {req_id!r}: its node {node.id} is gone or not pinned")
