@@ -1,13 +1,14 @@
 # One-command setup and test. A fresh machine needs only Python 3.10+.
 #   make test    create .venv, install, run the per-commit CPU suite
 #   make list    show what the per-commit suite runs
+#   make serve   write a tiny Qwen3 checkpoint and serve it with HiCache + file storage
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SUITE ?= per-commit-cpu
 HW ?= cpu
 
-.PHONY: install test list bench clean
+.PHONY: install test list bench serve clean
 
 $(VENV)/.installed: python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,14 @@ test: install
 
 list: install
 	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --list
+
+SERVE_DIR ?= .cache/serve
+PORT ?= 30000
+serve: install
+	$(PY) scripts/make_tiny_model.py --arch qwen3 --out $(SERVE_DIR)/tiny-qwen3
+	OMP_NUM_THREADS=1 $(PY) -m sglang.launch_server --model-path $(SERVE_DIR)/tiny-qwen3 --port $(PORT) \
+		--max-total-tokens 8192 --page-size 16 --enable-hierarchical-cache --hicache-storage-backend file \
+		--hicache-storage-backend-extra-config '{"storage_dir": "$(SERVE_DIR)/hicache-l3", "prefetch_threshold": 64}'
 
 bench: install
 	$(PY) scripts/bench/bench_kvcacheio.py

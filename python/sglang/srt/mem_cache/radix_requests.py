@@ -63,6 +63,8 @@ class RequestCacheMixin:
 
         Mutates the request: ``kv_indices[:n]`` and ``prefix_indices`` become the tree's slots
         for its ``n`` page-aligned tokens (duplicates are freed), ``last_node`` the new node.
+        The caller must write ``req.kv_indices`` back into the request's req_to_token row:
+        the freed duplicate slots are still there and must not be read again.
         """
         if self.disable:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -44,8 +45,20 @@ def triton_usable(device: torch.device) -> bool:
     return True
 
 
+# Triton's interpreter keeps per-launch state in module globals: two threads (the write and
+# load lanes) launching at once corrupt each other. Compiled CUDA launches need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpreted_copy(*args) -> None:
+    with _INTERPRETER_LOCK:
+        _triton_copy()(*args)
+
+
 def _copy_fn(device: torch.device):
-    return _triton_copy() if triton_usable(device) else _fallback_copy()
+    if not triton_usable(device):
+        return _fallback_copy()
+    return _triton_copy() if device.type == "cuda" else _interpreted_copy
 
 
 def load_per_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:

@@ -93,3 +93,37 @@ def test_kernel_without_interpreter_falls_back_with_one_warning():
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("without a GPU and without TRITON_INTERPRET=1") == 1
     assert res.stdout.strip() == "False"  # Triton was never imported
+
+
+def test_interpreted_kernel_is_safe_from_two_threads():
+    """Regression: the write and load lanes launch kernels concurrently; under Triton's
+    interpreter that used to fail ("Did you forget to add @triton.jit")."""
+    import threading
+
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    dev = MHATokenToKVPool(64, 4, torch.float16, 2, 8, 2)
+    dev.buffers["k"].normal_()
+    dev.buffers["v"].normal_()
+    host = MHATokenToKVPoolHost(dev, 2.0, layout="page_first", io_backend="kernel")
+    out = MHATokenToKVPool(64, 4, torch.float16, 2, 8, 2)
+    host.backup_from_device_all_layer(dev, torch.arange(64, 128), torch.arange(4, 68))
+    errors = []
+
+    def run(fn):
+        try:
+            for _ in range(15):
+                fn()
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    writer = threading.Thread(target=run, args=(lambda: host.backup_from_device_all_layer(dev, torch.arange(0, 64), torch.arange(4, 68)),))
+    loader = threading.Thread(
+        target=run, args=(lambda: [host.load_to_device_per_layer(out, torch.arange(64, 128), torch.arange(4, 68), l) for l in range(2)],)
+    )
+    writer.start(), loader.start()
+    writer.join(120), loader.join(120)
+    assert not errors, errors
+    assert torch.equal(out.buffers["k"][:, 4:68], dev.buffers["k"][:, 4:68])
+    assert torch.equal(host.host_buffer("k")[0:64], host.host_buffer("k")[64:128])

@@ -1,0 +1,1 @@
+"""HTTP server, OpenAI-compatible routes and the engine facade."""

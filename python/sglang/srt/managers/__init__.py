@@ -1,0 +1,1 @@
+"""Scheduler, request state, tokenizer manager and the messages between them."""

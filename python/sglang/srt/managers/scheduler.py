@@ -1,0 +1,340 @@
+"""Scheduler: continuous batching with chunked prefill over one ModelRunner and its prefix cache.
+
+One ``step``: consume finished host transfers (``check_hicache_events``), then run either a
+prefill batch (the continuing chunked request, then waiting requests, see ``PrefillAdder``)
+or, when none can be formed, one decode step for every running request. Finished requests go
+back to the tree (``cache_finished_req``). Each TP rank runs this same code on the same inputs
+(broadcast by rank 0, see ``scheduler_process.py``), so all ranks make the same decisions.
+
+When the engine is idle (no request, no transfer in flight) ``on_idle`` runs
+``check_integrity`` once: every device and host slot is free, in the tree or held by a
+request, and no slot or request row has leaked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    ControlKind,
+    ControlOutput,
+    ControlReq,
+    ReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
+from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder
+from sglang.srt.managers.scheduler_stats import SchedulerStats
+from sglang.srt.managers.token_slots import TokenSlotAllocator
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop string
+
+
+def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -> ModelRunnerConfig:
+    return ModelRunnerConfig(
+        model_path=args.model_path, load_format=args.load_format, device=args.device, dtype=args.dtype,
+        tp_size=args.tp_size, tp_rank=tp_rank, dist_init_method=dist_init_method, page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=args.max_running_requests, context_length=args.context_length, seed=args.random_seed,
+    )
+
+
+class Scheduler:
+    def __init__(self, server_args, tp_rank: int = 0, dist_init_method: str | None = None):
+        self.args = server_args
+        self.runner = ModelRunner(runner_config(server_args, tp_rank, dist_init_method))
+        self.page_size = server_args.page_size
+        self.context_len = self.runner.model_config.context_len
+        self.vocab_size = self.runner.model_config.vocab_size
+        self.tokenizer = get_tokenizer(server_args.model_path)
+        self.tree_cache = build_tree_cache(server_args, self.runner)
+        self.hicache = isinstance(self.tree_cache, HiRadixCache)
+        self.storage_enabled = storage_enabled(self.tree_cache)
+        self.slots = TokenSlotAllocator(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.page_size)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.stats = SchedulerStats()
+        self._outputs: list[ReqOutput] = []
+        self._idle_checked = True
+
+    def server_info(self) -> dict:
+        return {
+            "max_total_num_tokens": self.runner.max_total_num_tokens,
+            "context_len": self.context_len,
+            "vocab_size": self.vocab_size,
+            "page_size": self.page_size,
+            "max_running_requests": self.args.max_running_requests,
+            "eos_token_ids": list(self.tokenizer.eos_token_ids),
+            "host_pool_tokens": self.tree_cache.cache_controller.mem_pool_host.size if self.hicache else 0,
+            "storage_enabled": self.storage_enabled,
+        }
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def handle_messages(self, msgs: list) -> list[ControlOutput]:
+        """Apply messages from the tokenizer manager, in order; replies to control requests."""
+        replies = []
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.add_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid)
+            elif isinstance(msg, ControlReq):
+                replies.append(self.handle_control(msg))
+            else:
+                raise TypeError(f"scheduler got an unknown message {type(msg).__name__}")
+        return replies
+
+    def _refusal(self, msg: TokenizedGenerateReqInput) -> str | None:
+        """Why a request can never run here (the tokenizer manager checks the same first)."""
+        n, max_new = len(msg.input_ids), msg.sampling_params.max_new_tokens
+        if n == 0:
+            return "the prompt is empty"
+        if min(msg.input_ids) < 0 or max(msg.input_ids) >= self.vocab_size:
+            return f"token ids must be in [0, {self.vocab_size})"
+        if n + max_new > self.context_len:
+            return f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the context length {self.context_len}"
+        if num_pages(n + max_new, self.page_size) * self.page_size > self.runner.max_total_num_tokens:
+            return (f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV pool "
+                    f"({self.runner.max_total_num_tokens} tokens)")
+        return None
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = Req(msg, self.tokenizer.eos_token_ids)
+        reason = self._refusal(msg)
+        if reason is not None:
+            req.finish(FinishReason.ABORT, message=reason)
+            self._finish(req)
+            return
+        self.waiting.append(req)
+        self._idle_checked = False
+        if self.storage_enabled:
+            self._prefetch(req)
+
+    def _prefetch(self, req: Req) -> None:
+        """Start the L3 prefetch of the part of the prompt the tree does not hold."""
+        key = RadixKey(req.origin_input_ids[:-1], req.extra_key)
+        m = self.tree_cache.match_prefix(key)
+        matched = m.device_indices.numel() + m.host_hit_length
+        new_tokens = list(key.token_ids[matched:])
+        last_hash = m.last_host_node.get_last_hash_value()
+        self.tree_cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens, last_hash,
+                                              extra_key=req.extra_key)
+
+    def abort_request(self, rid: str) -> None:
+        """Drop ``rid`` wherever it is; its computed KV goes to the tree like a finished one."""
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                if self.storage_enabled:
+                    self.tree_cache.release_aborted_request(rid)
+                req.finish(FinishReason.ABORT, message="aborted")
+                self._finish(req)
+                return
+        if self.chunked_req is not None and self.chunked_req.rid == rid:
+            req, self.chunked_req = self.chunked_req, None
+        else:
+            req = next((r for r in self.running if r.rid == rid), None)
+            if req is None:
+                return  # already finished
+            self.running.remove(req)
+        req.finish(FinishReason.ABORT, message="aborted")
+        self._finish(req)
+
+    def handle_control(self, msg: ControlReq) -> ControlOutput:
+        if msg.kind is ControlKind.GET_STATS:
+            return ControlOutput(msg.cid, True, payload=self.stats.snapshot(self))
+        return self.flush_cache(msg.cid)
+
+    def flush_cache(self, cid: int = 0) -> ControlOutput:
+        """Drop every cached prefix on device and host (L3 keeps its pages). Refused while
+        requests are in the engine."""
+        if self.waiting or self.running or self.chunked_req is not None:
+            n = len(self.waiting) + len(self.running) + (self.chunked_req is not None)
+            return ControlOutput(cid, False, f"cache not flushed: {n} requests in flight")
+        if not self.tree_cache.disable:
+            self.tree_cache.reset()
+        self._idle_checked = False
+        logger.info("cache flushed")
+        return ControlOutput(cid, True, "cache flushed")
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """One scheduling iteration; returns the outputs produced since the last call."""
+        if self.hicache:
+            self.tree_cache.check_hicache_events()
+        adder = self._build_prefill()
+        if adder is not None:
+            self._run_prefill(adder)
+        elif self.running:
+            self._run_decode()
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _reserved_tokens(self) -> int:
+        held = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        return sum(r.own_pages_left for r in held) * self.page_size
+
+    def _build_prefill(self) -> PrefillAdder | None:
+        budget = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
+        adder = PrefillAdder(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.runner.req_to_token_pool,
+                             self.page_size, budget, self._reserved_tokens(), self.storage_enabled)
+        if self.chunked_req is not None:
+            adder.add_chunked(self.chunked_req)
+        skipped = []
+        while self.waiting:
+            req = self.waiting.popleft()
+            result = adder.try_add(req)
+            if result is AddResult.ADDED:
+                self.stats.on_admitted(req)
+                continue
+            if result is AddResult.PREFETCHING:
+                skipped.append(req)
+                continue
+            self.waiting.appendleft(req)
+            break
+        self.waiting.extendleft(reversed(skipped))
+        return adder if adder.entries else None
+
+    def _run_prefill(self, adder: PrefillAdder) -> None:
+        entries = adder.entries
+        reqs = [r for r, _ in entries]
+        prefix_lens = [r.kv_len for r in reqs]
+        inputs = [r.tokens(r.kv_len, r.kv_len + n) for r, n in entries]
+        out_cache_loc = torch.cat([self.slots.take(r, n) for r, n in entries])
+        consumer = self.tree_cache.ready_to_load_host_cache() if self.hicache else -1
+        batch = ForwardBatch.init_extend(self.runner, [r.req_pool_idx for r in reqs], prefix_lens, inputs,
+                                         out_cache_loc, hicache_consumer_index=consumer)
+        logits = self.runner.forward(batch)
+        self.stats.counters.num_prefill_batches += 1
+        self.chunked_req = adder.chunked
+        done = [i for i, r in enumerate(reqs) if r.prefill_remaining == 0]
+        for i, req in enumerate(reqs):
+            if i not in done:
+                self._cache_unfinished(req)
+        if done:
+            self._sample([reqs[i] for i in done], type(logits)(logits.next_token_logits[done]))
+
+    def _run_decode(self) -> None:
+        reqs = list(self.running)
+        last_tokens = [r.token_at(r.kv_len) for r in reqs]  # the newest output token, no KV yet
+        seq_lens = [r.kv_len + 1 for r in reqs]
+        out_cache_loc = torch.cat([self.slots.take(r, 1) for r in reqs])
+        batch = ForwardBatch.init_decode(self.runner, [r.req_pool_idx for r in reqs], last_tokens, seq_lens,
+                                         out_cache_loc)
+        logits = self.runner.forward(batch)
+        self.stats.counters.num_decode_batches += 1
+        self._sample(reqs, logits)
+
+    def _sample(self, reqs: list[Req], logits) -> None:
+        """Pick each request's next token; finished ones leave, new ones join ``running``."""
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(params, self.vocab_size, self.runner.device,
+                                             seeds=[r.seed or 0 for r in reqs], steps=[len(r.output_ids) for r in reqs])
+        tops = [r.top_logprobs_num for r in reqs]
+        out = self.runner.sample(logits, info, return_logprob=True, top_logprobs_nums=tops)
+        for i, req in enumerate(reqs):
+            if req.sampling_params.max_new_tokens == 0:
+                req.finish(FinishReason.LENGTH)
+            else:
+                token = out.next_token_ids[i]
+                req.output_ids.append(token)
+                req.logprobs.append(out.next_token_logprobs[i])
+                req.top_logprobs.append(out.top_logprobs[i])
+                req.check_finished(token, self.context_len, self._tail_text)
+            if req.finished is not None:
+                if req in self.running:
+                    self.running.remove(req)
+                self._finish(req)
+            else:
+                if req not in self.running:
+                    self.running.append(req)
+                    self._cache_unfinished(req)
+                if req.stream or len(req.output_ids) == 1:  # the first token always: TTFT
+                    self._outputs.append(req.make_output())
+
+    def _tail_text(self, req: Req) -> str:
+        longest = max(len(s) for s in req.sampling_params.stop)
+        tail = req.output_ids[-(longest + STOP_STRING_TAIL_TOKENS):]
+        return self.tokenizer.decode(tail, skip_special_tokens=req.sampling_params.skip_special_tokens)
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Insert the request's whole computed pages into the tree (without counting a hit) so
+        others can share them, and point its request row at the tree's slots."""
+        self.tree_cache.cache_unfinished_req(req, chunked=True)
+        self.runner.req_to_token_pool.write((req.req_pool_idx, slice(0, req.kv_len)), req.kv_indices)
+
+    def _finish(self, req: Req) -> None:
+        """Give the request's KV to the tree, free its row, report it."""
+        if req.req_pool_idx is not None:
+            self.tree_cache.cache_finished_req(req)
+            self.runner.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        self.stats.on_finished(req)
+        self._outputs.append(req.make_output())
+
+    # ---- idle and integrity --------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req is not None)
+
+    def transfers_in_flight(self) -> bool:
+        """Host transfers, L3 prefetches or L3 backups not yet acknowledged."""
+        if not self.hicache:
+            return False
+        tree = self.tree_cache
+        if tree.ongoing_write_through or tree.ongoing_load_back:
+            return True
+        storage = storage_controller_of(tree)
+        return storage is not None and bool(tree.ongoing_prefetch or storage.backup_queue or storage.query_queue
+                                            or storage.holding)
+
+    def is_idle(self) -> bool:
+        return not self.has_work() and not self.transfers_in_flight()
+
+    def check_integrity(self) -> None:
+        """Every device slot is free, in the tree, or in a page a request holds; with HiCache the
+        same for host slots. Raises CacheIntegrityError with the numbers."""
+        held = [r for r in self.running] + ([self.chunked_req] if self.chunked_req is not None else [])
+        pages = [r.held_pages(self.page_size) for r in held]
+        if self.tree_cache.disable:
+            used = sum(int(p.numel()) for p in pages)
+            alloc = self.runner.token_to_kv_pool_allocator
+            if alloc.available_size() + used != self.runner.max_total_num_tokens:
+                raise CacheIntegrityError(
+                    f"device pool: free {alloc.available_size()} + held by requests {used} != "
+                    f"capacity {self.runner.max_total_num_tokens}")
+        else:
+            self.tree_cache.check_integrity(pages)
+
+    def on_idle(self) -> None:
+        """Once per idle period: the integrity check plus the request-row leak check."""
+        if self._idle_checked or not self.is_idle():
+            return
+        self._idle_checked = True
+        self.check_integrity()
+        pool = self.runner.req_to_token_pool
+        if pool.available_size() != pool.size:
+            raise CacheIntegrityError(f"request table: {pool.size - pool.available_size()} rows leaked")
+        self.stats.counters.num_idle_checks += 1
+        logger.debug("idle integrity check passed")
+
+    def shutdown(self) -> None:
+        controller = getattr(self.tree_cache, "cache_controller", None)
+        if controller is not None:
+            controller.close()
+        self.runner.shutdown()

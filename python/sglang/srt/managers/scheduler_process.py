@@ -1,0 +1,115 @@
+"""The scheduler process of one TP rank: start-up report, then the receive / step loop.
+
+Rank 0 takes messages from the tokenizer manager's queue and broadcasts them to every rank
+over the TP group's gloo ``cpu_group``, so all ranks apply the same messages in the same order
+and stay in lockstep; only rank 0 sends outputs back. Rank 0 also picks the sampling seed of
+requests that have none before the broadcast, so every rank samples with the same noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import random
+import sys
+import traceback
+
+from sglang.srt.managers.io_struct import (
+    BatchOutput,
+    SchedulerError,
+    SchedulerReady,
+    ShutdownReq,
+    TokenizedGenerateReqInput,
+)
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.5  # how long rank 0 waits for a message when there is nothing to do
+TRANSFER_POLL_S = 0.002  # the same while host transfers are in flight
+
+
+def configure_logging(level: str, prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{' ' + prefix if prefix else ''}] %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr, force=True)
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler, in_queue=None, out_queue=None):
+        self.scheduler = scheduler
+        self.tp_rank = scheduler.runner.tp_rank
+        self.tp_size = scheduler.runner.tp_size
+        self.in_queue = in_queue
+        self.out_queue = out_queue
+        self.parent_pid = os.getppid()
+        self._rng = random.Random()
+
+    def _drain(self, timeout: float) -> list:
+        msgs = []
+        try:
+            msgs.append(self.in_queue.get(timeout=timeout) if timeout > 0 else self.in_queue.get_nowait())
+            while True:
+                msgs.append(self.in_queue.get_nowait())
+        except queue.Empty:
+            pass
+        for m in msgs:
+            if isinstance(m, TokenizedGenerateReqInput) and m.seed is None:
+                m.seed = self._rng.getrandbits(62)
+        return msgs
+
+    def recv(self, timeout: float) -> list:
+        msgs = self._drain(timeout) if self.tp_rank == 0 else []
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            from sglang.srt.distributed import get_tp_group
+
+            box = [msgs]
+            dist.broadcast_object_list(box, src=0, group=get_tp_group().cpu_group)
+            msgs = box[0]
+        return msgs
+
+    def run(self) -> None:
+        sched = self.scheduler
+        while True:
+            if sched.has_work():
+                timeout = 0.0
+            else:
+                timeout = TRANSFER_POLL_S if sched.transfers_in_flight() else IDLE_POLL_S
+            msgs = self.recv(timeout)
+            if any(isinstance(m, ShutdownReq) for m in msgs):
+                logger.info("scheduler shutting down")
+                return
+            replies = sched.handle_messages(msgs)
+            outputs = sched.step()
+            sched.on_idle()
+            if self.tp_rank == 0 and (outputs or replies):
+                self.out_queue.put([BatchOutput(outputs)] + replies if outputs else replies)
+            if os.getppid() != self.parent_pid:
+                logger.error("the server process is gone; scheduler exiting")
+                return
+
+
+def run_scheduler_process(server_args, tp_rank: int, dist_port: int | None, in_queue, out_queue, status_queue):
+    """Process entry: build the Scheduler, report ready (or the error), then loop."""
+    configure_logging(server_args.log_level, f"TP{tp_rank}")
+    init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size > 1 else None
+    try:
+        from sglang.srt.managers.scheduler import Scheduler
+
+        scheduler = Scheduler(server_args, tp_rank, init)
+    except Exception as exc:  # reported to the launcher, which prints it and exits
+        logger.debug("start-up failed", exc_info=True)
+        status_queue.put(SchedulerError(tp_rank, f"{type(exc).__name__}: {exc}"))
+        return
+    status_queue.put(SchedulerReady(tp_rank, scheduler.server_info()))
+    try:
+        SchedulerLoop(scheduler, in_queue, out_queue).run()
+    except Exception as exc:
+        logger.error("scheduler failed:\n%s", traceback.format_exc())
+        if out_queue is not None:
+            out_queue.put([SchedulerError(tp_rank, f"{type(exc).__name__}: {exc}")])
+            out_queue.close()
+            out_queue.join_thread()  # flush the report before the hard exit
+        os._exit(1)
+    scheduler.shutdown()

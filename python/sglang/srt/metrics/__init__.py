@@ -1,0 +1,1 @@
+"""Prometheus text metrics of the server."""

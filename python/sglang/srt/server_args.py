@@ -1,0 +1,278 @@
+"""ServerArgs: every flag of ``python -m sglang.launch_server``, in one dataclass.
+
+The dataclass is the one source of defaults: ``add_cli_args`` builds the argparse parser from
+its fields (``--model-path`` for ``model_path``), and ``from_cli_args`` builds it back.
+``__post_init__`` validates each field and each combination; an error names the flag, the
+value and what is allowed. The one rewrite it makes is upstream's: ``--hicache-io-backend
+direct`` with ``--hicache-mem-layout page_first`` becomes ``page_first_direct`` (warning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY, PrefetchPolicy, WritePolicy
+from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru", "lfu")  # mem_cache.evict_policy.EvictionPolicy (checked in a test)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _choices(enum_cls) -> tuple[str, ...]:
+    return tuple(m.value for m in enum_cls)
+
+
+def _flag(help: str, choices: tuple | None = None, **extra) -> dict:
+    return {"help": help, "choices": choices, **extra}
+
+
+def opt(default, help: str, choices: tuple | None = None, **extra):
+    """A dataclass field carrying its CLI help and choices."""
+    return field(default=default, metadata=_flag(help, choices, **extra))
+
+
+@dataclass
+class ServerArgs:
+    # model and runtime
+    model_path: str = opt(None, "HF-format model directory (config.json, *.safetensors, tokenizer.json)", required=True)
+    load_format: str = opt("auto", "weights: from safetensors, or random from config.json (dummy)", LOAD_FORMATS)
+    device: str = opt("cpu", "device of the model and the KV pool", DEVICES)
+    dtype: str = opt("auto", "model and KV dtype; auto: float32 on CPU, the checkpoint's on CUDA", DTYPES)
+    tp_size: int = opt(1, "tensor parallel ranks (one process each)")
+    context_length: int | None = opt(None, "max tokens per request (prompt + output); default: the model's")
+    served_model_name: str | None = opt(None, "model id reported by /v1/models; default: the directory name")
+    random_seed: int = opt(0, "seed of dummy weights")
+    # memory and scheduling
+    page_size: int = opt(1, "tokens per KV page (tree, host pool and storage granularity)")
+    max_total_tokens: int | None = opt(None, "device KV pool size in tokens; default: from free memory")
+    mem_fraction_static: float = opt(0.8, "fraction of free memory for the KV pool when --max-total-tokens is unset")
+    max_running_requests: int = opt(64, "requests in flight at once (request table rows)")
+    chunked_prefill_size: int = opt(2048, "max prefill tokens per step; -1 disables chunking")
+    disable_radix_cache: bool = opt(False, "no prefix reuse: every prompt is computed from scratch")
+    radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first", EVICTION_POLICIES)
+    # HTTP
+    host: str = opt("127.0.0.1", "address to bind")
+    port: int = opt(30000, "port to bind")
+    log_level: str = opt("info", "logging level", LOG_LEVELS)
+    # HiCache
+    enable_hierarchical_cache: bool = opt(False, "keep evicted prefixes in a host pool (L2) and load them back")
+    hicache_ratio: float = opt(2.0, "host pool size as a multiple of the device pool (when --hicache-size is 0)")
+    hicache_size: float = opt(0.0, "host pool size in GB per rank; overrides --hicache-ratio when > 0")
+    hicache_write_policy: str = opt("write_through", "when a device prefix gets its host copy", _choices(WritePolicy))
+    hicache_io_backend: str | None = opt(None, "host<->device copies; default: kernel on CUDA, direct on CPU",
+                                         _choices(IOBackend))
+    hicache_mem_layout: str = opt("layer_first", "host pool layout", _choices(HostLayout))
+    hicache_storage_backend: str | None = opt(None, "L3 storage backend, a name known to StorageBackendFactory "
+                                              "(file, nixl, dynamic, ...); needs --enable-hierarchical-cache")
+    hicache_storage_prefetch_policy: str = opt(DEFAULT_PREFETCH_POLICY.value,
+                                               "when a request stops waiting for its L3 prefetch",
+                                               _choices(PrefetchPolicy))
+    hicache_storage_backend_extra_config: str | None = opt(
+        None, "backend options: a JSON object, or @path to a .json or .toml file")
+
+    def __post_init__(self):
+        self._check_ranges()
+        self._check_choices()
+        self._check_hicache()
+
+    # ---- validation ----------------------------------------------------------------------
+    def _check_ranges(self) -> None:
+        checks = [
+            ("model_path", isinstance(self.model_path, str) and bool(self.model_path), "a directory path"),
+            ("tp_size", self.tp_size >= 1, "an integer >= 1"),
+            ("context_length", self.context_length is None or self.context_length >= 1, "unset or >= 1"),
+            ("page_size", self.page_size >= 1, "an integer >= 1"),
+            ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
+             f"unset or >= --page-size ({self.page_size})"),
+            ("mem_fraction_static", 0 < self.mem_fraction_static <= 1, "in (0, 1]"),
+            ("max_running_requests", self.max_running_requests >= 1, "an integer >= 1"),
+            ("chunked_prefill_size", self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
+             f"-1 (no chunking) or >= --page-size ({self.page_size})"),
+            ("port", 1 <= self.port <= 65535, "in [1, 65535]"),
+            ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),
+            ("hicache_ratio", self.hicache_size > 0 or self.hicache_ratio > 0, "> 0 when --hicache-size is 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{flag_name(name)} {getattr(self, name)!r} is invalid; must be {allowed}")
+
+    def _check_choices(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                raise ValueError(f"{flag_name(f.name)} {value!r} is not allowed; choose one of: {', '.join(choices)}")
+
+    def _check_hicache(self) -> None:
+        if not self.enable_hierarchical_cache:
+            for name in ("hicache_storage_backend", "hicache_storage_backend_extra_config"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{flag_name(name)} needs --enable-hierarchical-cache")
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
+        if self.resolved_io_backend == "direct" and self.hicache_mem_layout == "page_first":
+            logger.warning("--hicache-io-backend direct cannot use --hicache-mem-layout page_first; "
+                           "using page_first_direct")
+            self.hicache_mem_layout = "page_first_direct"
+        self._check_io_cell()
+        if self.hicache_storage_backend is not None:
+            from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+            known = StorageBackendFactory.known_backends()
+            if self.hicache_storage_backend not in known:
+                raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend!r} is not allowed; "
+                                 f"choose one of: {', '.join(known)}")
+        if self.hicache_storage_backend_extra_config is not None and self.hicache_storage_backend is None:
+            raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend")
+        self.storage_extra_config  # parse now: a bad value stops the server at startup
+
+    def _check_io_cell(self) -> None:
+        """The (layout, io_backend) cell must exist in the kvcacheio dispatch table (MHA pools)."""
+        from sglang.srt.mem_cache.kvcacheio.dispatch import IO_TABLE
+        from sglang.srt.mem_cache.memory_pool.base import PoolKind
+
+        layout, io = HostLayout(self.hicache_mem_layout), IOBackend(self.resolved_io_backend)
+        if (PoolKind.MHA, layout, io) not in IO_TABLE:
+            cells = sorted(f"{lay.value}+{b.value}" for k, lay, b in IO_TABLE if k is PoolKind.MHA)
+            default = "" if self.hicache_io_backend else f" (the default on --device {self.device})"
+            raise ValueError(f"--hicache-mem-layout {layout.value} does not work with --hicache-io-backend "
+                             f"{io.value}{default}; supported layout+io_backend: {', '.join(cells)}")
+
+    # ---- derived values ----------------------------------------------------------------------
+    @property
+    def resolved_io_backend(self) -> str:
+        """--hicache-io-backend, or its device default (kernel on CUDA, direct elsewhere)."""
+        if self.hicache_io_backend is not None:
+            return self.hicache_io_backend
+        return "kernel" if self.device == "cuda" else "direct"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
+
+    @cached_property
+    def storage_extra_config(self) -> dict:
+        """--hicache-storage-backend-extra-config as a dict ({} when unset)."""
+        return load_extra_config(self.hicache_storage_backend_extra_config)
+
+    def url(self, path: str = "") -> str:
+        return f"http://{self.host}:{self.port}{path}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check_model(self) -> None:
+        """Fail fast, naming --model-path, when the directory cannot hold a supported model."""
+        from sglang.srt.models.registry import resolve_architecture
+
+        path = self.model_path
+        if not os.path.isdir(path):
+            raise ValueError(f"--model-path {path!r} is not a directory")
+        config = os.path.join(path, "config.json")
+        if not os.path.isfile(config):
+            raise ValueError(f"--model-path {path!r} has no config.json")
+        try:
+            with open(config) as f:
+                arch = json.load(f).get("architectures")
+        except (OSError, json.JSONDecodeError, AttributeError) as exc:
+            raise ValueError(f"--model-path {path!r}: config.json is not a JSON object ({exc})") from None
+        try:
+            resolve_architecture(arch)
+        except ValueError as exc:
+            raise ValueError(f"--model-path {path!r}: {exc}") from None
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ValueError(f"--model-path {path!r} has no tokenizer.json")
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _arg_type(f: dataclasses.Field):
+    text = str(f.type)
+    for name, typ in (("int", int), ("float", float)):
+        if text.startswith(name):
+            return typ
+    return str
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One option per ServerArgs field; defaults are the dataclass's (the help shows them)."""
+    for f in dataclasses.fields(ServerArgs):
+        meta = f.metadata
+        default = None if f.default is dataclasses.MISSING else f.default
+        kwargs = {"dest": f.name, "help": f"{meta['help']} (default: {default})"}
+        if f.type in ("bool", bool):
+            parser.add_argument(flag_name(f.name), action="store_true", **kwargs)
+            continue
+        if meta.get("required"):
+            kwargs["required"] = True
+        parser.add_argument(flag_name(f.name), type=_arg_type(f), default=default, choices=meta.get("choices"),
+                            **kwargs)
+    return parser
+
+
+def from_cli_args(args: argparse.Namespace) -> ServerArgs:
+    return ServerArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)})
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server", description="Start an sglang server.")
+    return from_cli_args(add_cli_args(parser).parse_args(argv))
+
+
+# ---- extra config ---------------------------------------------------------------------------
+def load_extra_config(value: str | None) -> dict:
+    """A JSON object string, or ``@path`` to a .json / .toml file, as a dict."""
+    flag = "--hicache-storage-backend-extra-config"
+    if value is None or value == "":
+        return {}
+    if value.startswith("@"):
+        path = value[1:]
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".json", ".toml"):
+            raise ValueError(f"{flag} {value!r}: the file must end in .json or .toml")
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as exc:
+            raise ValueError(f"{flag} {value!r}: cannot read the file ({exc.strerror})") from None
+        return _parse_config_bytes(raw, ext, f"{flag} {value!r}")
+    return _parse_config_bytes(value.encode(), ".json", f"{flag} {value!r}")
+
+
+def _toml_module(what: str):
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ValueError(f"{what}: reading TOML needs Python 3.11+ or the tomli package") from None
+    return tomllib
+
+
+def _parse_config_bytes(raw: bytes, ext: str, what: str) -> dict:
+    try:
+        if ext == ".toml":
+            data = _toml_module(what).loads(raw.decode())
+        else:
+            data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
+        raise ValueError(f"{what}: not valid {ext[1:].upper()} ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: must be a JSON/TOML object (key -> value), got {type(data).__name__}")
+    return data
