@@ -1,15 +1,32 @@
 """Set/get throughput of the L3 backends beside plain os.pwrite / os.pread of the same bytes.
 
-    python scripts/bench/bench_storage.py [--page-kib 64 256 1024] [--pages 256] [--obj]
-        [--direct] [--json out.json]
+    python scripts/bench/bench_storage.py [--page-kib 64 256 1024] [--pages 256] [--repeat 5]
+        [--warmup 1] [--obj] [--direct] [--json out.json]
 
 For each page size, an MLA host pool (one object per page, so the backend and the baseline
-write the same number of files) is filled with random bytes; each backend stores and loads all
-pages (``batch_set_v1`` / ``batch_get_v1``), and the baseline writes and reads one file per page
-with ``os.open`` + ``os.pwrite`` / ``os.pread`` + ``os.close`` in the same run, interleaved,
-best of ``--repeat``. Reads of both are served by the page cache unless O_DIRECT is on
-(``--direct``: the NIXL POSIX backend with O_DIRECT against an O_DIRECT baseline).
-``--obj`` adds NIXL OBJ against a local moto S3 server (its ratio is against local files).
+write the same number of files) is filled with random bytes. Each backend stores and loads all
+pages (``batch_set_v1`` / ``batch_get_v1``); the baseline writes one file per page with
+``os.open`` + ``os.pwrite`` + ``os.close`` and reads it back with ``os.open`` + ``os.preadv``
+into the same host pages + ``os.close``, in the same run. Like with like:
+
+* the same source and destination memory: both read into the host pool's pages (a baseline that
+  reads into one recycled buffer keeps its destination in the CPU cache and measured up to 4x
+  the copy bandwidth the host pool can take);
+* the same page-cache and file-system state: every repetition writes new files on both sides,
+  under the same kind of directory tree (256 persistent buckets), and deletes both sides' files
+  afterwards (memory the page cache recycles is several times faster to fill than memory touched
+  for the first time, notably in VMs), with ``--warmup`` untimed repetitions first; the order of
+  the two sides alternates between repetitions;
+* the same flush policy: no fsync on either side, ``os.sync()`` before each timed pass, reads
+  served by the page cache unless O_DIRECT is on (``--direct``: the NIXL POSIX backend with
+  O_DIRECT against an O_DIRECT baseline).
+
+Figures are the best and the median of ``--repeat`` timed repetitions; ``ratio`` is best over
+best, ``ratio_paired`` the median of the per-repetition ratios (the two sides of a repetition
+run back to back, so a load that drifts between repetitions cancels), ``cpu_ratio`` the same on
+the CPU seconds of the process (on a shared machine the least noisy view of the work done; not
+meaningful for O_DIRECT, which waits on the device). ``--obj`` adds NIXL OBJ against a local
+moto S3 server (its ratio is against local files). The load average is printed.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,41 +66,76 @@ def make_pool(page_bytes: int, num_pages: int) -> MLATokenToKVPoolHost:
     return host
 
 
-def baseline(pages: list[memoryview], root: str, direct: bool) -> tuple[float, float]:
-    """Seconds to write then read one file per page with plain os calls."""
-    os.makedirs(root, exist_ok=True)
-    flag = os.O_DIRECT if direct else 0
-    paths = [os.path.join(root, f"{i}.bin") for i in range(len(pages))]
-    t0 = time.perf_counter()
-    for path, page in zip(paths, pages):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-        os.pwrite(fd, page, 0)
-        os.close(fd)
-    t1 = time.perf_counter()
-    os.sync()
-    t2 = time.perf_counter()
-    for path, page in zip(paths, pages):
-        fd = os.open(path, os.O_RDONLY | flag)
-        if direct:  # O_DIRECT needs an aligned destination; os.pread's bytes object is not
-            os.preadv(fd, [page], 0)
-        else:
-            os.pread(fd, len(page), 0)
-        os.close(fd)
-    return t1 - t0, time.perf_counter() - t2
+class Baseline:
+    """One file per page with plain os calls, from and into the host pool's pages, laid out like
+    the backends' files: random hex names in 256 bucket directories that persist across
+    repetitions (ext4 allocates inodes far slower in a directory with many recently deleted
+    files than in a new one, so a baseline writing into a fresh directory each time would gain
+    on the file system, not on the bytes)."""
+
+    def __init__(self, pages: list[memoryview], root: str, direct: bool):
+        self.pages, self.root, self.flag = pages, root, os.O_DIRECT if direct else 0
+        for i in range(256):
+            os.makedirs(f"{root}/{i:02x}", exist_ok=True)
+        self.paths = {}
+
+    def _paths(self, rep: int) -> list[str]:
+        if rep not in self.paths:
+            names = [uuid.uuid4().hex * 2 for _ in self.pages]
+            self.paths[rep] = [f"{self.root}/{n[:2]}/{n}.bin" for n in names]
+        return self.paths[rep]
+
+    def set(self, rep: int) -> None:
+        for path, page in zip(self._paths(rep), self.pages):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self.flag, 0o644)
+            os.pwrite(fd, page, 0)
+            os.close(fd)
+
+    def get(self, rep: int) -> None:
+        for path, page in zip(self._paths(rep), self.pages):
+            fd = os.open(path, os.O_RDONLY | self.flag)
+            if os.preadv(fd, [page], 0) != len(page):
+                raise RuntimeError("baseline: short read")
+            os.close(fd)
+
+    def clear(self, rep: int) -> None:
+        for path in self.paths.pop(rep, []):
+            os.unlink(path)
 
 
-def backend_times(store, host, keys) -> tuple[float, float]:
-    idx = torch.arange(len(keys) * PAGE_TOKENS)
-    t0 = time.perf_counter()
-    ok_set = store.batch_set_v1(keys, idx)
-    t1 = time.perf_counter()
-    os.sync()
-    t2 = time.perf_counter()
-    ok_get = store.batch_get_v1(keys, idx)
-    t3 = time.perf_counter()
-    if not (all(ok_set) and all(ok_get)):
-        raise RuntimeError(f"{type(store).__name__}: set ok {sum(ok_set)}, get ok {sum(ok_get)} of {len(keys)}")
-    return t1 - t0, t3 - t2
+class Backend:
+    def __init__(self, store, num_pages: int, label: str):
+        self.store, self.label = store, label
+        self.idx = torch.arange(num_pages * PAGE_TOKENS)
+        self.keys = {}
+
+    def _keys(self, rep: int) -> list[str]:
+        if rep not in self.keys:  # new keys every repetition, as in serving
+            tokens = list(range(len(self.idx)))
+            self.keys[rep] = page_hashes(tokens, PAGE_TOKENS, namespace_hash(f"{self.label}-{rep}"))
+        return self.keys[rep]
+
+    def set(self, rep: int) -> None:
+        ok = self.store.batch_set_v1(self._keys(rep), self.idx)
+        if not all(ok):
+            raise RuntimeError(f"{self.label}: set ok {sum(ok)} of {len(ok)}")
+
+    def get(self, rep: int) -> None:
+        ok = self.store.batch_get_v1(self._keys(rep), self.idx)
+        if not all(ok):
+            raise RuntimeError(f"{self.label}: get ok {sum(ok)} of {len(ok)}")
+
+    def clear(self, rep: int) -> None:
+        if self.label != "nixl_obj":  # NIXL cannot list or delete objects; the bucket is a fresh one
+            self.store.clear()
+
+
+def timed(fn, rep: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, all threads) of ``fn(rep)``."""
+    os.sync()  # each timed pass starts with no dirty pages from the other one
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn(rep)
+    return time.perf_counter() - w0, time.process_time() - c0
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -124,6 +177,39 @@ def cases(args, root: str, endpoint: str | None) -> list[tuple[str, str, dict, b
     return out
 
 
+def run_case(args, sides: dict) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """(wall, CPU) seconds per side and op over the timed repetitions (after ``--warmup``)."""
+    times = {side: {"set": [], "get": []} for side in sides}
+    for rep in range(args.warmup + args.repeat):
+        order = list(sides) if rep % 2 == 0 else list(sides)[::-1]
+        for side in order:
+            t_set, t_get = timed(sides[side].set, rep), timed(sides[side].get, rep)
+            if rep >= args.warmup:
+                times[side]["set"].append(t_set)
+                times[side]["get"].append(t_get)
+        for side in order:
+            sides[side].clear(rep)
+    return times
+
+
+def record(label: str, op: str, page_bytes: int, total: int, ours: list, base: list, args, direct: bool) -> dict:
+    """Best and median throughput of both sides; ``ratio`` is best over best, ``ratio_paired``
+    the median over repetitions of the ratio within one repetition (robust to the load of a
+    shared machine drifting between repetitions), ``cpu_ratio`` the same on CPU seconds."""
+    gbps = [total / wall / 1e9 for wall, _ in ours]
+    plain = [total / wall / 1e9 for wall, _ in base]
+    paired = [b[0] / o[0] for o, b in zip(ours, base)]
+    cpu = [b[1] / o[1] for o, b in zip(ours, base) if o[1] > 0]
+    return {
+        "backend": label, "op": op, "page_bytes": page_bytes,
+        "gbps": round(max(gbps), 3), "baseline_gbps": round(max(plain), 3), "ratio": round(max(gbps) / max(plain), 3),
+        "gbps_median": round(statistics.median(gbps), 3), "baseline_gbps_median": round(statistics.median(plain), 3),
+        "ratio_paired": round(statistics.median(paired), 3),
+        "cpu_ratio": round(statistics.median(cpu), 3) if cpu else None,
+        "pages": args.pages, "repeat": args.repeat, "direct": direct,
+    }
+
+
 def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict]:
     host = make_pool(page_bytes, args.pages)
     pages = [memoryview(host.get_data_page(i * PAGE_TOKENS, flat=False)[0].numpy()) for i in range(args.pages)]
@@ -131,25 +217,14 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict
     for label, name, extra, direct in cases(args, root, endpoint):
         cfg = HiCacheStorageConfig.from_cache_params(CacheInitParams(page_size=PAGE_TOKENS), host, "bench", extra)
         store = StorageBackendFactory.create_backend(name, cfg, host)
-        best = {"set": (1e9, 1e9), "get": (1e9, 1e9)}  # op -> (backend s, baseline s)
-        for rep in range(args.repeat):  # new keys and new baseline files every time, as in serving
-            keys = page_hashes(list(range(args.pages * PAGE_TOKENS)), PAGE_TOKENS, namespace_hash(f"{label}-{rep}"))
-            os.sync()  # each timed pass starts with no dirty pages from the other one
-            b_set, b_get = baseline(pages, f"{root}/baseline-{label}-{rep}", direct)
-            os.sync()
-            s_set, s_get = backend_times(store, host, keys)
-            best["set"] = (min(best["set"][0], s_set), min(best["set"][1], b_set))
-            best["get"] = (min(best["get"][0], s_get), min(best["get"][1], b_get))
-            shutil.rmtree(f"{root}/baseline-{label}-{rep}", ignore_errors=True)
-        if label != "nixl_obj":  # NIXL cannot list or delete objects; the bucket is a fresh one
-            store.clear()
-        store.close()
-        total = page_bytes * args.pages
-        for op, (t_store, t_base) in best.items():
-            gbps, base = total / t_store / 1e9, total / t_base / 1e9
-            records.append({"backend": label, "op": op, "page_bytes": page_bytes, "gbps": round(gbps, 3),
-                            "baseline_gbps": round(base, 3), "ratio": round(gbps / base, 3),
-                            "pages": args.pages, "direct": direct})
+        try:
+            sides = {"backend": Backend(store, args.pages, label), "baseline": Baseline(pages, f"{root}/base-{label}", direct)}
+            times = run_case(args, sides)
+        finally:
+            store.close()
+        for op in ("set", "get"):
+            records.append(record(label, op, page_bytes, page_bytes * args.pages, times["backend"][op],
+                                  times["baseline"][op], args, direct))
     return records
 
 
@@ -157,7 +232,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--page-kib", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--pages", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (warm page cache)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
     parser.add_argument("--obj", action="store_true", help="also NIXL OBJ against a local moto S3 server")
     parser.add_argument("--direct", action="store_true", help="also NIXL POSIX with O_DIRECT")
@@ -165,6 +241,7 @@ def main() -> None:
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_storage_", dir="/tmp")
     moto, endpoint = start_moto() if args.obj else (None, None)
+    load_before = os.getloadavg()
     records = []
     try:
         for kib in args.page_kib:
@@ -175,10 +252,13 @@ def main() -> None:
             moto.terminate()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print(f"{'backend':<18} {'op':<4} {'page':>8} {'GB/s':>8} {'plain GB/s':>11} {'ratio':>6}")
+    print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
+    print(f"{'backend':<18} {'op':<4} {'page':>8} {'GB/s':>7} {'plain':>7} {'ratio':>6} | {'median':>7} {'plain':>7} "
+          f"{'paired':>6} {'cpu':>6}")
     for r in records:
-        print(f"{r['backend']:<18} {r['op']:<4} {r['page_bytes'] // 1024:>6}Ki {r['gbps']:>8.3f} "
-              f"{r['baseline_gbps']:>11.3f} {r['ratio']:>6.2f}")
+        cpu = f"{r['cpu_ratio']:>6.2f}" if r["cpu_ratio"] is not None else f"{'-':>6}"
+        print(f"{r['backend']:<18} {r['op']:<4} {r['page_bytes'] // 1024:>6}Ki {r['gbps']:>7.2f} {r['baseline_gbps']:>7.2f} "
+              f"{r['ratio']:>6.2f} | {r['gbps_median']:>7.2f} {r['baseline_gbps_median']:>7.2f} {r['ratio_paired']:>6.2f} {cpu}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

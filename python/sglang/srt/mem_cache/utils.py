@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -23,13 +24,14 @@ def check_in_range(indices: torch.Tensor, lo: int, hi: int, what: str) -> None:
     """Raise ValueError unless every index is in [lo, hi)."""
     if indices.numel() == 0:
         return
-    mn, mx = int(indices.min()), int(indices.max())
+    arr = indices.numpy()  # numpy: no OpenMP hand-off for a few thousand ints
+    mn, mx = int(arr.min()), int(arr.max())
     if mn < lo or mx >= hi:
         raise ValueError(f"{what} out of range: min {mn}, max {mx}, allowed [{lo}, {hi})")
 
 
 def check_page_aligned(indices: torch.Tensor, page_size: int, what: str) -> None:
-    """Raise ValueError unless ``indices`` is a list of whole pages.
+    """Raise ValueError unless ``indices`` (a CPU tensor) is a list of whole pages.
 
     A whole page is ``page_size`` consecutive token slots starting at a multiple of ``page_size``;
     pages may come in any order.
@@ -41,13 +43,13 @@ def check_page_aligned(indices: torch.Tensor, page_size: int, what: str) -> None
         raise ValueError(f"{what}: length {n} is not a multiple of page_size {page_size}")
     if n == 0:
         return
-    rows = indices.view(-1, page_size)
+    rows = indices.numpy().reshape(-1, page_size)
     starts = rows[:, 0]
-    if bool((starts % page_size != 0).any()):
-        bad = int(starts[starts % page_size != 0][0])
+    misaligned = starts % page_size != 0
+    if misaligned.any():
+        bad = int(starts[misaligned][0])
         raise ValueError(f"{what}: page starts at slot {bad}, not a multiple of page_size {page_size}")
-    expected = starts.unsqueeze(1) + torch.arange(page_size, dtype=indices.dtype)
-    if not torch.equal(rows, expected):
+    if not (rows == starts[:, None] + np.arange(page_size)).all():
         raise ValueError(f"{what}: a page is not {page_size} consecutive slots")
 
 

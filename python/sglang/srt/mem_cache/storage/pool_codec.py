@@ -7,16 +7,18 @@ is one segment. A pool without bytes (the DeepSeek-V4 logical anchor) has one em
 segment, so its existence can gate side-pool lookups.
 
 Segment payloads are the canonical flat-page bytes (the same for every layout with the same
-``page_format``), so the views below are cut from ``get_data_page(flat=False)`` in meta order.
+``page_format``): the views are the chunks of ``get_page_buffer_meta`` in meta order, as numpy
+uint8 views of the pool's host buffers (see :class:`PageViews`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage.page_views import PageViews
 from sglang.srt.mem_cache.storage_keys import (
     MARKER_TAG,
     KeyDeriver,
@@ -25,14 +27,14 @@ from sglang.srt.mem_cache.storage_keys import (
     component_tag,
     object_suffix,
 )
-from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_aligned
+from sglang.srt.mem_cache.utils import as_cpu_index
 
 
 @dataclass(frozen=True)
 class Segment:
     suffix: str
     nbytes: int  # payload bytes per page
-    first_chunk: int  # range of this segment in get_data_page(flat=False)
+    first_chunk: int  # range of this segment in the page's chunks (get_page_buffer_meta order)
     num_chunks: int
 
 
@@ -41,7 +43,8 @@ class ObjectIO:
     """One object of one page: its name and the host memory its payload lives in."""
 
     name: str
-    views: list[torch.Tensor]  # contiguous uint8 views of host memory, in payload order
+    views: list[np.ndarray]  # contiguous uint8 views of host memory, in payload order
+    ptrs: list[int]  # their addresses
     nbytes: int
 
 
@@ -59,7 +62,29 @@ class PageIO:
         """Wipe the page's host bytes (after a failed read, so no unverified byte stays)."""
         for obj in self.objects:
             for view in obj.views:
-                view.zero_()
+                view.fill(0)
+
+
+def page_starts(idx: np.ndarray, page_size: int, size: int) -> list[int]:
+    """First slot of each page of ``idx`` (whole pages of ``page_size`` consecutive slots in
+    [0, size)); ValueError otherwise. The checks of ``mem_cache.utils`` in numpy: torch spreads
+    them over its OpenMP threads, which costs milliseconds per batch on a busy host."""
+    if idx.size == 0:
+        return []
+    if idx.size % page_size:
+        raise ValueError(f"host indices: length {idx.size} is not a multiple of page_size {page_size}")
+    rows = idx.reshape(-1, page_size)
+    starts = rows[:, 0]
+    misaligned = starts % page_size != 0
+    if misaligned.any():
+        raise ValueError(f"host indices: page starts at slot {int(starts[misaligned][0])}, "
+                         f"not a multiple of page_size {page_size}")
+    if page_size > 1 and not np.array_equal(rows, starts[:, None] + np.arange(page_size)):
+        raise ValueError(f"host indices: a page is not {page_size} consecutive slots")
+    lo, hi = int(starts.min()), int(starts.max()) + page_size - 1
+    if lo < 0 or hi >= size:
+        raise ValueError(f"host indices out of range: min {lo}, max {hi}, allowed [0, {size})")
+    return starts.tolist()
 
 
 def _segments(pool_name: PoolName, host_pool, per_component: bool) -> list[Segment]:
@@ -87,6 +112,8 @@ class PoolCodec:
         self.segments = _segments(self.name, host_pool, per_component)
         if len({s.suffix for s in self.segments}) != len(self.segments):
             raise ValueError(f"pool {self.name.value!r}: two components map to one object suffix")
+        self.page_views = PageViews(host_pool)
+        self.is_marker = self.segments[0].nbytes == 0  # a pool without bytes: one empty marker object
 
     @property
     def page_size(self) -> int:
@@ -95,10 +122,6 @@ class PoolCodec:
     @property
     def replicated(self) -> bool:
         return self.namespace.shard_mode is ShardMode.REPLICATED
-
-    @property
-    def is_marker(self) -> bool:
-        return self.segments[0].nbytes == 0
 
     def object_names(self, page_hash: str) -> list[str]:
         stem = self.keys.stem(page_hash)
@@ -112,9 +135,7 @@ class PoolCodec:
             raise ValueError(
                 f"pool {self.name.value!r}: {len(keys)} keys need {len(keys) * P} host indices, got {idx.numel()}"
             )
-        check_page_aligned(idx, P, "host indices")
-        check_in_range(idx, 0, self.host_pool.size, "host indices")
-        return idx[::P].tolist()
+        return page_starts(idx.numpy(), P, self.host_pool.size)
 
     def pages(self, keys: list[str], host_indices) -> list[PageIO]:
         """PageIO of each (key, page) pair (validates keys and indices first)."""
@@ -123,9 +144,10 @@ class PoolCodec:
         return [self.page_io(slot, page_names) for slot, page_names in zip(slots, names)]
 
     def page_io(self, slot: int, names: list[str]) -> PageIO:
-        chunks = self.host_pool.get_data_page(slot, flat=False) if not self.is_marker else []
+        views, ptrs = self.page_views.chunks(slot // self.page_size) if not self.is_marker else ([], [])
         objects = [
-            ObjectIO(name, chunks[s.first_chunk : s.first_chunk + s.num_chunks], s.nbytes)
+            ObjectIO(name, views[s.first_chunk : s.first_chunk + s.num_chunks],
+                     ptrs[s.first_chunk : s.first_chunk + s.num_chunks], s.nbytes)
             for name, s in zip(names, self.segments)
         ]
         return PageIO(self, slot, objects)

@@ -99,6 +99,8 @@ def test_real_io_fault_in_the_file_backend(mha, tmp_path):
         ("file", {"storage_dirr": "/tmp/x"}, "unknown extra config key 'storage_dirr'; allowed: .*storage_dir"),
         ("file", {"capacity_gb": "lots"}, "'capacity_gb' must be float"),
         ("file", {"capacity_gb": -1}, "'capacity_gb' must be >= 0"),
+        ("file", {"io_threads": 0}, "'io_threads' must be >= 1"),
+        ("file", {"io_threads": "many"}, "'io_threads' must be int"),
         ("nixl", {"plugin": "gds"}, "'plugin' is 'gds'; allowed: posix, obj"),
         ("nixl", {"plugin": {"posix": {"active": False}}}, "'plugin' has no entry marked"),
         ("nixl", {"plugin": "obj"}, "'plugin_params.bucket'"),

@@ -64,6 +64,21 @@ def test_restart_accounts_existing_files_and_drops_leftover_temporaries(tmp_path
     again.close()
 
 
+@pytest.mark.parametrize("backend", ["file", "nixl"])
+def test_a_removed_bucket_directory_is_recreated_on_write(backend, tmp_path):
+    host = host_pool(PoolKind.MLA)
+    fill_random(host, seed=13)
+    store = StorageBackendFactory.create_backend(backend, storage_config(host, {"storage_dir": str(tmp_path)}), host)
+    key = page_keys(1)
+    bucket = tmp_path / store.codecs[next(iter(store.codecs))].object_names(key[0])[0][:2]
+    assert bucket.is_dir()  # the 256 buckets exist from the start
+    bucket.rmdir()
+    assert store.batch_set_v1(key, slots(host, 0, 1)) == [True]
+    assert store.batch_get_v1(key, slots(host, 8, 1)) == [True]
+    assert torch.equal(host.get_data_page(8 * host.page_size), host.get_data_page(0))
+    store.close()
+
+
 CELLS = [
     (PoolKind.MHA, "layer_first"),
     (PoolKind.MHA, "page_first_direct"),

@@ -10,6 +10,8 @@ from conftest import fill_random, host_pool, page_keys, pages_of, slots
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer, StorageBackendError
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry, PoolName
+from sglang.srt.mem_cache.storage.nixl import nixl_io
+from sglang.srt.mem_cache.storage.nixl.nixl_io import NixlIO
 from sglang.srt.mem_cache.storage.nixl.pool_context import round_up
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -202,3 +204,37 @@ def test_nixl_errors_surface_as_project_exception_then_miss(make_backend):
     assert store.get_stats()["failures"] == 2  # the chunk, retried page by page: two failed pages
     assert store.get_stats()["corruptions"] == 0  # the objects have the right size: not blamed
     assert all(int(p.count_nonzero()) == 0 for p in pages_of(host, 8, 2))  # no unverified byte kept
+
+
+class _StubAgent:
+    """check_xfer_state answers PROC ``busy`` times, then ``final``."""
+
+    def __init__(self, busy: int, final: str = "DONE"):
+        self.busy, self.final, self.polls = busy, final, 0
+
+    def check_xfer_state(self, handle):
+        self.polls += 1
+        return "PROC" if self.polls <= self.busy else self.final
+
+
+def _stub_io(agent, timeout_s: float) -> NixlIO:
+    io = object.__new__(NixlIO)  # the wait policy alone, without an agent of the real library
+    io.agent, io.timeout_s, io.backend = agent, timeout_s, "POSIX"
+    return io
+
+
+def test_wait_polls_back_to_back_before_yielding(monkeypatch):
+    """The POSIX plugin moves buffered data inside the polls: a short transfer is waited for
+    without giving the CPU away; a long one yields, and a stuck one times out."""
+    sleeps = []
+    monkeypatch.setattr(nixl_io.time, "sleep", sleeps.append)
+    monkeypatch.setattr(nixl_io, "_SPIN_S", 60.0)  # inside the spin window (0.2 ms in service)
+    _stub_io(_StubAgent(busy=50), 60.0)._wait("READ", None, "PROC")
+    assert sleeps == []
+    monkeypatch.setattr(nixl_io, "_SPIN_S", 0.0)
+    with pytest.raises(StorageBackendError, match="timed out after 0.01s"):
+        _stub_io(_StubAgent(busy=10**9), 0.01)._wait("READ", None, "PROC")
+    assert sleeps and set(sleeps) <= {0, nixl_io._POLL_SLEEP_S}
+    with pytest.raises(StorageBackendError, match="ended in state ERR"):
+        _stub_io(_StubAgent(busy=1, final="ERR"), 60.0)._wait("WRITE", None, "PROC")
+

@@ -116,6 +116,29 @@ def test_corrupted_page_is_a_counted_removed_miss(backend_name, corrupt, make_ba
     assert store.batch_get_v1(keys, slots(host, 8, 3)) == [True] * 3
 
 
+def test_corruption_inside_a_batch_on_several_io_threads(make_backend):
+    """With io_threads the file backend spreads the pages of a batch over several threads: each
+    page still gets its own flag, and a bad one is wiped, counted and removed, the rest intact."""
+    host = host_pool(PoolKind.MHA, "page_first_direct")
+    fill_random(host, seed=12)
+    store = make_backend("file", host, {"io_threads": 3})
+    store.workers.min_page_bytes = 0  # the test's pages are small; thread them anyway
+    keys = page_keys(6)
+    assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
+    names = store.codecs[PoolName.KV].object_names
+    for i, corrupt in ((1, _flip_payload), (4, _truncate)):
+        obj = StoredObject(store, names(keys[i])[0])
+        obj.write(corrupt(obj.read()))
+    assert store.batch_get_v1(keys, slots(host, 8, 6)) == [True, False, True, True, False, True]
+    for i in (0, 2, 3, 5):
+        assert torch.equal(host.get_data_page((8 + i) * host.page_size), host.get_data_page(i * host.page_size))
+    for i in (1, 4):
+        assert int(host.get_data_page((8 + i) * host.page_size).count_nonzero()) == 0  # read, failed, wiped
+    stats = store.get_stats()
+    assert (stats["pages_hit"], stats["pages_missed"], stats["corruptions"]) == (4, 2, 2)
+    assert store.batch_exists(keys) == 1
+
+
 @pytest.mark.parametrize("backend_name", ["file", "nixl_posix"])
 def test_short_file_is_caught_by_exists(backend_name, make_backend):
     host = host_pool(PoolKind.MLA, "page_first_direct")

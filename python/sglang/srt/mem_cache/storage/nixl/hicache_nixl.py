@@ -3,7 +3,8 @@
 Every page of every registered pool is one object per component (``_k``/``_v``,
 ``_mamba_temporal``, ``_mamba_conv_<i>``, ``_indexer_k``/``_indexer_v``, ``_marker`` for the
 logical anchor), each ``payload || 4096-byte integrity trailer``. A batch of pages, whatever
-pools they belong to, moves in one NIXL transfer per direction (per ``bounce_pages`` chunk).
+pools they belong to, moves in one NIXL transfer per direction (per chunk of at most
+``bounce_pages`` pages and CHUNK_BYTES).
 NIXL's result is all-or-nothing, so when a chunk fails it is retried page by page to find the
 culprits: a wrong-sized object is a corruption (removed), anything else a counted failure.
 See ``README.md`` beside this file.
@@ -11,6 +12,7 @@ See ``README.md`` beside this file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -28,6 +30,9 @@ from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
 logger = logging.getLogger(__name__)
 
 TRAILER_BYTES = 4096
+# A chunk is verified after its transfer; one that fits in the last-level cache is hashed from
+# there (8 MiB chunks read 1-4 MiB pages 10-15% faster here than 128-page ones).
+CHUNK_BYTES = 8 << 20
 SIDES = {StorageKind.FILE: PosixSide, StorageKind.OBJ: ObjSide}
 # Whether a missing object must be ruled out before a READ (OBJ fails the whole transfer on one;
 # for files, opening them tells).
@@ -87,8 +92,19 @@ class HiCacheNixl(PagedStorage):
 
     # ---- moving planned pages -----------------------------------------------------------
     def _chunks(self, pages: list[PageIO]):
-        step = self.options.bounce_pages
-        return (pages[i : i + step] for i in range(0, len(pages), step))
+        """Consecutive runs of at most ``bounce_pages`` pages and, beyond one page, CHUNK_BYTES of
+        buffered objects (O_DIRECT objects never pass through the CPU cache, and a large chunk
+        keeps the device's queue full)."""
+        chunk, nbytes = [], 0
+        for page in pages:
+            size = 0 if self.contexts[page.codec.name].direct else page.nbytes + TRAILER_BYTES * len(page.objects)
+            if chunk and (len(chunk) == self.options.bounce_pages or nbytes + size > CHUNK_BYTES):
+                yield chunk
+                chunk, nbytes = [], 0
+            chunk.append(page)
+            nbytes += size
+        if chunk:
+            yield chunk
 
     def _move(self, op: str, planned: list[Planned]) -> list[bool]:
         """One transfer for every planned page; on failure, page by page to isolate the bad ones."""
@@ -119,7 +135,8 @@ class HiCacheNixl(PagedStorage):
         with self._read_lock:
             done: dict[int, bool] = {}
             for chunk in self._chunks(pages):
-                done.update(self._read_chunk(chunk))
+                planned, moved = self._transfer_read(chunk)
+                done.update((id(page), self._check_page(page, items, ok)) for (page, items), ok in zip(planned, moved))
             return [done.get(id(p), False) for p in pages]
 
     def _absent(self, pages: list[PageIO]) -> set[str]:
@@ -142,11 +159,12 @@ class HiCacheNixl(PagedStorage):
                 for item in items:
                     self.side.finish(item.target, commit=False)
                 return None
-            items.append(Item(obj, ctx, target, counter.take(ctx, write=False), TRAILER_BYTES))
+            items.append(counter.item(obj, ctx, target, False, TRAILER_BYTES))
             items[-1].prepare_read()
         return items
 
-    def _read_chunk(self, pages: list[PageIO]) -> dict[int, bool]:
+    def _transfer_read(self, pages: list[PageIO]) -> tuple[list[Planned], list[bool]]:
+        """Open and read one chunk; (planned pages, whether each one's transfer succeeded)."""
         absent, counter, planned = self._absent(pages), SlotCounter(), []
         try:
             for page in pages:
@@ -158,16 +176,17 @@ class HiCacheNixl(PagedStorage):
             for _, items in planned:
                 for item in items:
                     self.side.finish(item.target, commit=False)
-        done = {}
-        for (page, items), ok in zip(planned, moved):
-            ok = ok and self._verify(items)
-            if ok:
-                for item in items:
-                    item.unbounce()
-            elif self.contexts[page.codec.name].zero_copy:
-                page.zero()  # no unverified byte stays in the host pool
-            done[id(page)] = ok
-        return done
+        return planned, moved
+
+    def _check_page(self, page: PageIO, items: list[Item], ok: bool) -> bool:
+        """Verify one read page and unbounce it, or wipe what an unverified read left."""
+        ok = ok and self._verify(items)
+        if ok:
+            for item in items:
+                item.unbounce()
+        elif self.contexts[page.codec.name].zero_copy:
+            page.zero()  # no unverified byte stays in the host pool
+        return ok
 
     def _verify(self, items: list[Item]) -> bool:
         """Every object verifies and all come from one page write; bad objects are dropped."""
@@ -195,30 +214,29 @@ class HiCacheNixl(PagedStorage):
                 ctx, items = self.contexts[page.codec.name], []
                 planned.append((page, items))
                 for obj in page.objects:
-                    item = Item(obj, ctx, self.side.open_write(obj.name, ctx.direct), counter.take(ctx, True), TRAILER_BYTES)
-                    items.append(item)
-                checksums = [item.stage_payload() for item in items]
-                digest = page_digest(checksums)
-                for item, checksum in zip(items, checksums):
-                    item.stage_trailer(checksum, digest)
+                    items.append(counter.item(obj, ctx, self.side.open_write(obj.name, ctx.direct), True, TRAILER_BYTES))
+            for _, items in planned:
+                _stage_page(items)
             moved = self._move("WRITE", planned)
-        except OSError:
+        except Exception:  # noqa: BLE001 - whatever failed, the temporaries below are closed and dropped
             self.stats.add(failures=1)
             logger.warning("HiCacheNixl: preparing a write of %d pages failed", len(pages), exc_info=True)
             moved = [False] * len(pages)
-        return [self._commit(items, ok) for (_, items), ok in zip(planned, moved)] + [False] * (len(pages) - len(planned))
+        with self.side.commit_lock() if any(moved) else contextlib.nullcontext():
+            flags = [self._commit(items, ok) for (_, items), ok in zip(planned, moved)]
+        return flags + [False] * (len(pages) - len(planned))
 
     def _commit(self, items: list[Item], ok: bool) -> bool:
-        """Rename every written object of a page into place, under the page's lock so that two
-        writers' renames do not interleave (or drop the temporaries when ``ok`` is False)."""
-        with self.side.page_lock(items[0].obj.name if items and ok else None):
-            for item in items:
-                try:
-                    self.side.finish(item.target, commit=ok)
-                except OSError:
-                    self.stats.add(failures=1)
-                    logger.warning("HiCacheNixl: committing %s failed", item.obj.name, exc_info=True)
-                    ok = False
+        """Rename every written object of a page into place (the caller holds the commit lock,
+        so two writers' renames of one page do not interleave), or drop the temporaries when
+        ``ok`` is False."""
+        for item in items:
+            try:
+                self.side.finish(item.target, commit=ok)
+            except OSError:
+                self.stats.add(failures=1)
+                logger.warning("HiCacheNixl: committing %s failed", item.obj.name, exc_info=True)
+                ok = False
         return ok
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -229,3 +247,11 @@ class HiCacheNixl(PagedStorage):
         with self._read_lock, self._write_lock:
             self.io.close()
             self.side.close()
+
+
+def _stage_page(items: list[Item]) -> None:
+    """Payloads into their slots (bounce) and the trailers, bound by the page's digest."""
+    checksums = [item.stage_payload() for item in items]
+    digest = page_digest(checksums)
+    for item, checksum in zip(items, checksums):
+        item.stage_trailer(checksum, digest)

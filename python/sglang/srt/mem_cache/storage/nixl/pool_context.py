@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from sglang.srt.mem_cache.pool_host.memory import HostBuffer
 from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, NixlOptions, StorageKind
@@ -34,18 +34,22 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 class StagingArea:
-    """``num_slots`` byte slots of ``slot_bytes`` each in one page-aligned buffer."""
+    """``num_slots`` byte slots of ``slot_bytes`` each in one page-aligned buffer. The slots'
+    numpy views and addresses are cut once here, not per object moved."""
 
     def __init__(self, slot_bytes: int, num_slots: int):
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self._buffer = HostBuffer(slot_bytes * num_slots, pin_memory=False)
         self.tensor = self._buffer.tensor
+        array, base = self.tensor.numpy(), self.tensor.data_ptr()
+        self._slots = [(array[i * slot_bytes : (i + 1) * slot_bytes], base + i * slot_bytes) for i in range(num_slots)]
 
-    def slot(self, i: int) -> torch.Tensor:
+    def slot(self, i: int) -> tuple[np.ndarray, int]:
+        """(uint8 view, address) of slot ``i``."""
         if not 0 <= i < self.num_slots:
             raise IndexError(f"staging slot {i} outside [0, {self.num_slots})")
-        return self.tensor[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+        return self._slots[i]
 
 
 @dataclass

@@ -8,7 +8,6 @@ S3 PUT is atomic by itself. Files live at ``<root>/<name[:2]>/<name>``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import logging
 import os
@@ -16,6 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
+from sglang.srt.mem_cache.storage.posix_files import CommitLock, create_exclusive, make_buckets, open_read, unlink_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -40,34 +40,21 @@ class PosixSide:
     def __init__(self, options: NixlOptions):
         self.root = options.storage_dir
         os.makedirs(self.root, exist_ok=True)
+        make_buckets(self.root)
         self.direct_supported = probe_direct_io(self.root)
         self._tmp_ids = itertools.count()
-        self._lock_fds: dict[str, int] = {}
-        os.makedirs(os.path.join(self.root, ".locks"), exist_ok=True)
+        self._pid = os.getpid()
+        self._commit_lock = CommitLock(self.root)
 
-    @contextlib.contextmanager
-    def page_lock(self, name: str | None):
-        """Exclusive flock (one of 4096 stripes, by name) across processes; no-op for None."""
-        if name is None:
-            yield
-            return
-        stripe = name[:3]
-        fd = self._lock_fds.get(stripe)
-        if fd is None:
-            fd = self._lock_fds[stripe] = os.open(os.path.join(self.root, ".locks", stripe), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+    def commit_lock(self):
+        """Held while a batch of written objects is renamed into place (see CommitLock)."""
+        return self._commit_lock.held()
 
     def close(self) -> None:
-        for fd in self._lock_fds.values():
-            os.close(fd)
-        self._lock_fds.clear()
+        self._commit_lock.close()
 
     def path(self, name: str) -> str:
-        return os.path.join(self.root, name[:2], name)
+        return f"{self.root}/{name[:2]}/{name}"
 
     def sizes(self, io, names: list[str]) -> list[int | None]:
         """Stored size of each object (None when absent)."""
@@ -83,17 +70,15 @@ class PosixSide:
     def open_read(self, name: str, direct: bool) -> tuple[Target | None, int | None]:
         """(target, stored size); (None, None) when absent."""
         try:
-            fd = os.open(self.path(name), os.O_RDONLY | (os.O_DIRECT if direct else 0))
+            fd = open_read(self.path(name), os.O_DIRECT if direct else 0)
         except FileNotFoundError:
             return None, None
         return Target(name, fd, ""), os.fstat(fd).st_size
 
     def open_write(self, name: str, direct: bool) -> Target:
         path = self.path(name)
-        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0), 0o644)
-        return Target(name, fd, "", tmp)
+        tmp = f"{path}.tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}"
+        return Target(name, create_exclusive(tmp, os.O_DIRECT if direct else 0), "", tmp)
 
     def finish(self, target: Target, commit: bool) -> None:
         """Close; a write is renamed into place when ``commit``, else its temp file removed."""
@@ -102,16 +87,16 @@ class PosixSide:
             if commit:
                 os.replace(target.tmp_path, self.path(target.name))
             else:
-                _unlink(target.tmp_path)
+                unlink_quiet(target.tmp_path)
 
     def remove(self, name: str) -> None:
-        _unlink(self.path(name))
+        unlink_quiet(self.path(name))
 
     def clear(self) -> None:
         for bucket in os.scandir(self.root):
             if bucket.is_dir() and len(bucket.name) == 2:
                 for entry in os.scandir(bucket.path):
-                    _unlink(entry.path)
+                    unlink_quiet(entry.path)
 
 
 class ObjSide:
@@ -129,7 +114,7 @@ class ObjSide:
         infos = io.query([(0, 0, next(self._ids), n) for n in names])
         return [None if info is None else -1 for info in infos]
 
-    def page_lock(self, name: str | None):
+    def commit_lock(self):
         """No cross-client lock on S3: concurrent writers of one page may leave a torn page,
         which readers detect by its page digest (a miss, removed)."""
         return contextlib.nullcontext()
@@ -204,11 +189,4 @@ def probe_direct_io(root: str) -> bool:
         return False
     finally:
         buf.close()
-        _unlink(path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        unlink_quiet(path)

@@ -7,10 +7,9 @@ staging slot; bounce objects move as one descriptor from a staging slot holding 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from sglang.srt.mem_cache.storage.integrity import pack_trailer, payload_checksum, poison_trailer, read_trailer
 from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext
@@ -18,69 +17,72 @@ from sglang.srt.mem_cache.storage.nixl.storage_side import Target
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO
 
 
-@dataclass
+@dataclass(slots=True)
 class Item:
     """One object of one page in a transfer."""
 
     obj: ObjectIO
-    ctx: NixlPoolContext
+    zero_copy: bool
     target: Target
-    slot: torch.Tensor  # staging slot (uint8)
+    slot: np.ndarray  # staging slot (uint8 view)
+    slot_ptr: int
     trailer_bytes: int
+    trailer: np.ndarray = field(init=False)  # where the object's trailer sits in the slot
+
+    def __post_init__(self):
+        start = 0 if self.zero_copy else self.obj.nbytes
+        self.trailer = self.slot[start : start + self.trailer_bytes]
 
     @property
     def stored_bytes(self) -> int:
         return self.obj.nbytes + self.trailer_bytes
 
     def payload(self) -> list[np.ndarray]:
-        if self.ctx.zero_copy:
-            return [v.numpy() for v in self.obj.views]
-        return [self.slot[: self.obj.nbytes].numpy()]
+        return self.obj.views if self.zero_copy else [self.slot[: self.obj.nbytes]]
 
-    def trailer(self) -> np.ndarray:
-        start = 0 if self.ctx.zero_copy else self.obj.nbytes
-        return self.slot[start : start + self.trailer_bytes].numpy()
-
-    def descriptors(self) -> tuple[list, list]:
-        """(dram (ptr, len) list, storage (offset, len, dev_id) list) of this object."""
+    def descriptors(self, dram: list, storage: list) -> None:
+        """Append this object's (ptr, len) host and (offset, len, dev_id) storage descriptors."""
         dev, n, t = self.target.dev_id, self.obj.nbytes, self.trailer_bytes
-        if not self.ctx.zero_copy:
-            return [(self.slot.data_ptr(), n + t)], [(0, n + t, dev)]
-        dram, storage, offset = [], [], 0
-        for view in self.obj.views:
-            dram.append((view.data_ptr(), view.numel()))
-            storage.append((offset, view.numel(), dev))
-            offset += view.numel()
-        return dram + [(self.slot.data_ptr(), t)], storage + [(n, t, dev)]
+        if not self.zero_copy:
+            dram.append((self.slot_ptr, n + t))
+            storage.append((0, n + t, dev))
+            return
+        offset = 0
+        for view, ptr in zip(self.obj.views, self.obj.ptrs):
+            dram.append((ptr, view.nbytes))
+            storage.append((offset, view.nbytes, dev))
+            offset += view.nbytes
+        dram.append((self.slot_ptr, t))
+        storage.append((n, t, dev))
 
     def stage_payload(self) -> int:
         """For bounce buffers, copy the payload into the slot; return its checksum."""
-        if not self.ctx.zero_copy:
+        if not self.zero_copy:
             offset = 0
             for view in self.obj.views:
-                self.slot[offset : offset + view.numel()].copy_(view)
-                offset += view.numel()
+                np.copyto(self.slot[offset : offset + view.nbytes], view)
+                offset += view.nbytes
         return payload_checksum(self.payload())
 
     def stage_trailer(self, checksum: int, page_digest: int) -> None:
         trailer = pack_trailer(self.obj.name, self.obj.nbytes, checksum, page_digest, self.trailer_bytes)
-        self.trailer()[:] = np.frombuffer(trailer, dtype=np.uint8)
+        self.trailer[:] = np.frombuffer(trailer, dtype=np.uint8)
 
     def read_result(self) -> tuple[int, int] | None:
         """(checksum, page digest) when the object read verifies, else None."""
-        return read_trailer(self.trailer(), self.obj.name, self.payload())
+        return read_trailer(self.trailer, self.obj.name, self.payload(), self.obj.nbytes)
 
     def prepare_read(self) -> None:
-        poison_trailer(self.trailer())
+        poison_trailer(self.trailer)
 
     def unbounce(self) -> None:
         """Copy a verified bounce payload into the host pool's page, byte for byte."""
-        if self.ctx.zero_copy:
+        if self.zero_copy:
             return
         offset = 0
         for view in self.obj.views:
-            view.copy_(self.slot[offset : offset + view.numel()])
-            offset += view.numel()
+            np.copyto(view, self.slot[offset : offset + view.nbytes])
+            offset += view.nbytes
 
 
 Planned = tuple[PageIO, list[Item]]
@@ -91,9 +93,7 @@ def descriptors(planned: list[Planned]) -> tuple[list, list, list]:
     dram, storage, regs = [], [], []
     for _, items in planned:
         for item in items:
-            d, s = item.descriptors()
-            dram += d
-            storage += s
+            item.descriptors(dram, storage)
             regs.append(item.target.reg)
     return dram, storage, regs
 
@@ -104,7 +104,9 @@ class SlotCounter:
     def __init__(self):
         self._next: dict = {}
 
-    def take(self, ctx: NixlPoolContext, write: bool) -> torch.Tensor:
+    def item(self, obj: ObjectIO, ctx: NixlPoolContext, target: Target, write: bool, trailer_bytes: int) -> Item:
+        """The Item of ``obj`` moving through ``target``, on the next free slot of ``ctx``."""
         i = self._next.get(ctx.codec.name, 0)
         self._next[ctx.codec.name] = i + 1
-        return (ctx.set_area if write else ctx.get_area).slot(i)
+        slot, ptr = (ctx.set_area if write else ctx.get_area).slot(i)
+        return Item(obj, ctx.zero_copy, target, slot, ptr, trailer_bytes)

@@ -1,0 +1,74 @@
+"""Numpy views of a host pool's pages, computed by address arithmetic instead of torch indexing.
+
+``host_pool.get_data_page(slot, flat=False)`` builds a few torch views per page (one per layer
+and component for ``layer_first``): microseconds each, which at 64 KiB pages cost as much as
+the copy itself. Every host layout places chunk ``j`` of page ``p`` at a fixed offset plus
+``p`` times a fixed stride inside one host buffer, so :class:`PageViews` reads the offsets and
+strides once from ``get_page_buffer_meta`` of pages 0 and 1, checks them against other pages,
+and then cuts each page's chunks as numpy slices of the host buffers. A pool whose chunks do
+not follow that rule falls back to ``get_data_page``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class PageViews:
+    def __init__(self, host_pool):
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self._arrays = [b.numpy() for b in host_pool.get_host_buffers()]
+        self._bases = [b.data_ptr() for b in host_pool.get_host_buffers()]
+        self._chunks = self._affine_chunks()  # (buffer, offset of page 0, stride, bytes) per chunk
+        if self._chunks is None:
+            logger.info("%s: pages are not affine in the host buffers; using get_data_page",
+                        type(host_pool).__name__)
+
+    def _meta(self, page: int) -> tuple[list[int], list[int]]:
+        P = self.page_size
+        return self.host_pool.get_page_buffer_meta(torch.arange(page * P, (page + 1) * P))
+
+    def _buffer_of(self, ptr: int, nbytes: int) -> int | None:
+        for i, (base, arr) in enumerate(zip(self._bases, self._arrays)):
+            if base <= ptr and ptr + nbytes <= base + arr.nbytes:
+                return i
+        return None
+
+    def _affine_chunks(self) -> list[tuple[int, int, int, int]] | None:
+        page_num = self.host_pool.page_num
+        if page_num == 0:
+            return []
+        ptrs0, sizes = self._meta(0)
+        ptrs1 = self._meta(1)[0] if page_num > 1 else ptrs0
+        chunks = []
+        for p0, p1, n in zip(ptrs0, ptrs1, sizes):
+            buf = self._buffer_of(p0, n)
+            if buf is None:
+                return None
+            chunks.append((buf, p0 - self._bases[buf], p1 - p0, n))
+        for page in {page_num // 2, page_num - 1}:
+            if self._formula(chunks, page) != self._meta(page):
+                return None
+        return chunks
+
+    def _formula(self, chunks, page: int) -> tuple[list[int], list[int]]:
+        return [self._bases[b] + off + page * stride for b, off, stride, _ in chunks], [n for *_, n in chunks]
+
+    def chunks(self, page: int) -> tuple[list[np.ndarray], list[int]]:
+        """(uint8 views, addresses) of the chunks of page ``page`` (page index, not slot), in
+        ``get_page_buffer_meta`` order. The views alias host memory."""
+        if self._chunks is None:
+            views = self.host_pool.get_data_page(page * self.page_size, flat=False)
+            return [v.numpy() for v in views], [v.data_ptr() for v in views]
+        views, ptrs = [], []
+        for buf, off, stride, n in self._chunks:
+            start = off + page * stride
+            views.append(self._arrays[buf][start : start + n])
+            ptrs.append(self._bases[buf] + start)
+        return views, ptrs
