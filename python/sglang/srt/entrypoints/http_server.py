@@ -101,6 +101,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         out = await tm.control(ControlKind.FLUSH_CACHE)
+        if not out.ok and out.payload.get("flush_incomplete"):
+            return error_response(503, out.message, "ServiceUnavailable")
         if not out.ok:
             return error_response(400, out.message)
         return PlainTextResponse(out.message + "\n")

@@ -33,6 +33,7 @@ from sglang.srt.managers.scheduler_stats import SchedulerStats
 from sglang.srt.managers.token_slots import TokenSlotAllocator
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.storage_ops import HiCacheFlushIncomplete
 from sglang.srt.mem_cache.tree_node import RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -167,9 +168,13 @@ class Scheduler:
         if self.waiting or self.running or self.chunked_req is not None:
             n = len(self.waiting) + len(self.running) + (self.chunked_req is not None)
             return ControlOutput(cid, False, f"cache not flushed: {n} requests in flight")
-        if not self.tree_cache.disable:
-            self.tree_cache.reset()
         self._idle_checked = False
+        if not self.tree_cache.disable:
+            try:
+                self.tree_cache.reset()
+            except HiCacheFlushIncomplete as exc:  # the cache is empty; a hung L3 backend still runs
+                logger.warning("%s", exc)
+                return ControlOutput(cid, False, str(exc), payload={"flush_incomplete": True})
         logger.info("cache flushed")
         return ControlOutput(cid, True, "cache flushed")
 

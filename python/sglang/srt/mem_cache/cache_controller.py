@@ -13,8 +13,8 @@ Storage (L3): with ``storage_backend`` (a StorageBackendFactory name) the contro
 backend from a storage config derived from ``parallel_coords()`` and runs the prefetch, IO and
 backup threads of ``storage_controller.py`` (``self.storage``; the backend is
 ``self.storage_backend``). ``held_host_indices()`` reports host slots held by in-flight
-prefetches to the integrity check; ``get_stats()`` gives per-tier counters; ``close()`` stops
-every thread and closes the backend.
+prefetches and by backups a bounded flush abandoned to the integrity check; ``get_stats()``
+gives per-tier counters; ``close()`` stops every thread and closes the backend.
 """
 
 from __future__ import annotations
@@ -190,9 +190,13 @@ class HiCacheController:
         if indices.numel():
             self._allocator(tier, name).free(indices)
 
-    def held_host_indices(self) -> list[torch.Tensor]:
-        """Host slots held by in-flight prefetches (reserved, not yet in the tree or freed)."""
-        return self.storage.held_host_indices() if self.storage is not None else []
+    def held_host_indices(self, name: PoolName | None = None) -> list[torch.Tensor]:
+        """Host slots of pool ``name`` (default: the anchor) held by storage operations:
+        in-flight prefetches (reserved, not yet in the tree or freed) and backups a bounded
+        flush abandoned (quarantined until their thread returns)."""
+        if self.storage is None:
+            return []
+        return self.storage.held_host_indices(self.anchor_name if name is None else name)
 
     # ---- storage (L3) ---------------------------------------------------------------------
     def _storage_host(self):
@@ -203,6 +207,10 @@ class HiCacheController:
         """Pools moved with every anchor page through the v2 API (none: the v1 API)."""
         return []
 
+    def _storage_state_pool(self) -> PoolName | None:
+        """The pool of trailing states (one per cached prefix, own slots) L3 carries, or None."""
+        return None
+
     def _attach_storage(self, name: str, extra_config, model_name: str | None) -> None:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -212,15 +220,15 @@ class HiCacheController:
         settings, backend_extra = split_extra_config(extra)
         if not isinstance(model_name, str) or not model_name:
             raise ValueError(f"model_name must be a non-empty string with storage_backend {name!r}, got {model_name!r}")
-        side = self._storage_side_pools()
+        side, state = self._storage_side_pools(), self._storage_state_pool()
         host = self._storage_host()
         config = HiCacheStorageConfig.from_cache_params(self.parallel_coords(), host, model_name, backend_extra)
         backend = StorageBackendFactory.create_backend(name, config, host)
-        anchor = self.anchor_name
         self.storage = StorageController(backend, self.page_size, settings, side,
-                                         lambda idx: self.free(Tier.HOST, anchor, idx))
+                                         lambda pool, idx: self.free(Tier.HOST, pool, idx), state)
         self.storage_backend, self.storage_config = backend, config
-        logger.info("HiCacheController: L3 backend %s, side pools %s, %s", name, [p.value for p in side], settings)
+        logger.info("HiCacheController: L3 backend %s, side pools %s, state pool %s, %s", name,
+                    [p.value for p in side], state.value if state is not None else None, settings)
 
     def get_stats(self) -> dict[str, dict[str, int]]:
         """Per-tier counters: ``l2`` (device<->host: pages, bytes, failures) and ``l3``

@@ -11,6 +11,9 @@ Host copies form a contiguous prefix from the root: a node is backed up only tog
 its not-yet-backed-up ancestors, and only host-only leaves leave the host, so every host state
 has host or device KV all the way up. Eviction, load-back and backup move a node's KV and state
 together through the ``mamba`` pool binding of a HybridCacheController.
+
+Storage (L3): states travel with their KV pages, keyed by the node's last page hash; pages from
+storage enter the tree only with the state that ends them (``hi_mamba_storage.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 
 from sglang.srt.mem_cache.cache_controller import L2Transfer, Tier
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.hi_mamba_storage import MambaStorageMixin
+from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
@@ -31,14 +36,13 @@ logger = logging.getLogger(__name__)
 MAMBA = PoolName.MAMBA
 
 
-class HiMambaRadixCache(HiRadixCache):
-    def __init__(self, params, cache_controller, load_back_threshold: int = 0):
+class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
+    def __init__(self, params, cache_controller, load_back_threshold: int = 0,
+                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
         if MAMBA not in cache_controller.bindings:
             raise ValueError("HiMambaRadixCache needs a controller with a 'mamba' pool (HybridCacheController)")
-        if cache_controller.storage is not None:
-            raise ValueError("HiMambaRadixCache does not support L3 storage yet (no Mamba state from storage)")
         self._pending_mamba: torch.Tensor | None = None
-        super().__init__(params, cache_controller, load_back_threshold)
+        super().__init__(params, cache_controller, load_back_threshold, prefetch_stop_policy)
 
     # ---- slots -------------------------------------------------------------------------------
     def _device_slots(self, node):
@@ -114,10 +118,6 @@ class HiMambaRadixCache(HiRadixCache):
             else:
                 self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
         super()._on_inserted(touched, chunked)
-
-    def insert_host(self, key, host_indices) -> int:
-        """Not supported: pages from storage would arrive without their Mamba state."""
-        raise NotImplementedError("HiMambaRadixCache does not take host-only pages (no Mamba state from storage yet)")
 
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
         """HiRadixCache.cache_finished_req; ``req.mamba_pool_idx`` (the request's state slot)
@@ -200,10 +200,13 @@ class HiMambaRadixCache(HiRadixCache):
     def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=(),
                         request_mamba_indices=()) -> None:
         """HiRadixCache.check_integrity plus both Mamba pools: every state slot is free, a
-        node's, or in ``request_mamba_indices`` (device slots of running requests)."""
+        node's, held by a storage operation (host), or in ``request_mamba_indices`` (device
+        slots of running requests)."""
         super().check_integrity(request_device_indices, check_hashes, request_host_indices)
         nodes = list(self._all_nodes())
         binding = self.cache_controller.bindings[MAMBA]
         check_slot_partition("device mamba pool", binding.device_alloc,
                              {"tree": [n.mamba_value for n in nodes], "requests": list(request_mamba_indices)})
-        check_slot_partition("host mamba pool", binding.host_alloc, {"tree": [n.mamba_host_value for n in nodes]})
+        check_slot_partition("host mamba pool", binding.host_alloc,
+                             {"tree": [n.mamba_host_value for n in nodes],
+                              "storage": self.cache_controller.held_host_indices(MAMBA)})

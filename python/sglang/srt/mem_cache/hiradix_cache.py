@@ -66,6 +66,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self._write_back_events: list = []
         self._write_back_nodes: list[TreeNode] = []
         self._deferred_device_free: list[dict[PoolName, torch.Tensor]] = []
+        self._quarantined_on_reset: dict[PoolName, torch.Tensor] = {}  # host slots reset must not free
         self._init_storage(prefetch_stop_policy)
         super().__init__(params)
 
@@ -98,7 +99,11 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         if node.value is not None:
             self._free_slots(Tier.DEVICE, self._device_slots(node))
         if node.host_value is not None:
-            self._free_slots(Tier.HOST, self._host_slots(node))
+            slots = self._host_slots(node)
+            for name, keep in self._quarantined_on_reset.items():
+                if slots.get(name) is not None:
+                    slots[name] = slots[name][~torch.isin(slots[name], keep)]
+            self._free_slots(Tier.HOST, slots)
 
     # ---- match -------------------------------------------------------------------------------
     def _match_result(self, path: list[TreeNode]) -> MatchResult:
@@ -172,6 +177,10 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         Returns the number of leading tokens the tree already held on either tier: the caller
         still owns ``host_indices[:returned]`` and frees them; the rest belongs to the tree.
         """
+        key, host = self._checked_host_insert(key, host_indices)
+        return self._insert_host_from(self.root_node, key, host)
+
+    def _checked_host_insert(self, key: RadixKey, host_indices) -> tuple[RadixKey, torch.Tensor]:
         key = self._check_key(key)
         if len(key) % self.page_size:
             raise ValueError(f"insert_host key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
@@ -179,7 +188,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         if host.numel() != len(key):
             raise ValueError(f"insert_host has {host.numel()} host slots for a key of {len(key)} tokens")
         check_page_aligned(host, self.page_size, "insert_host host_indices")
-        return self._insert_host_from(self.root_node, key, host)
+        return key, host
 
     def _insert_host_from(self, node: TreeNode, key: RadixKey, host: torch.Tensor) -> int:
         """insert_host for ``key`` continuing after ``node`` (an attached node)."""
@@ -191,12 +200,17 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             child.last_access_time = now
             pos, node = pos + len(child.key), child
         if pos < len(key):
-            leaf = TreeNode(node, key[pos:])
-            leaf.host_value = host[pos:].clone()
-            leaf.hash_value = page_hashes(leaf.key.token_ids, self.page_size, leaf.prior_hash())
-            leaf.last_access_time = now
-            node.children[self._child_key(leaf.key)] = leaf
+            self._new_host_leaf(node, key[pos:], host[pos:], now)
         return pos
+
+    def _new_host_leaf(self, parent: TreeNode, key: RadixKey, host: torch.Tensor, now: int) -> TreeNode:
+        """A host-only child of ``parent`` holding ``host`` (host slots of ``key``)."""
+        leaf = TreeNode(parent, key)
+        leaf.host_value = host.clone()
+        leaf.hash_value = page_hashes(leaf.key.token_ids, self.page_size, leaf.prior_hash())
+        leaf.last_access_time = now
+        parent.children[self._child_key(leaf.key)] = leaf
+        return leaf
 
     # ---- load back ---------------------------------------------------------------------------
     def init_load_back(self, last_node: TreeNode, host_hit_length: int, mem_quota: int | None = None):
@@ -276,19 +290,31 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self._on_storage_progress(agreed[3:])
 
     # ---- reset and integrity -----------------------------------------------------------------
-    def reset(self) -> None:
-        """Wait for every transfer (L3 backups included; prefetches end with nothing kept),
-        consume the acks, drop every node and free its slots on both tiers. ValueError while a
-        request still holds a lock."""
+    def reset(self, timeout_s: float | None = None) -> None:
+        """Wait for every transfer, consume the acks, drop every node and free its slots on
+        both tiers; prefetches end with nothing kept. ValueError (nothing dropped) while a
+        request still holds a lock.
+
+        With storage the wait for L3 operations is bounded by ``timeout_s`` (default: the
+        ``flush_timeout_s`` extra config key): operations still running then are abandoned,
+        their host slots held (quarantined) until their thread returns, and, after the reset,
+        ``HiCacheFlushIncomplete`` is raised on every rank. The tree is empty and usable then.
+        """
+        error = None
         if self.storage is not None:
-            self._drain_storage()
+            self._quarantined_on_reset, error = self._drain_storage(timeout_s)
         else:
             self.cache_controller.synchronize()
             self.check_hicache_events()
-        super().reset()
+        try:
+            super().reset()
+        finally:
+            self._quarantined_on_reset = {}
         self.cache_controller.reset()
         self._write_tokens.clear()
         self.prefetch_loaded_tokens.clear()
+        if error is not None:
+            raise error
 
     def _check_node(self, node: TreeNode) -> None:
         if node.evicted and not node.backuped:
@@ -298,7 +324,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=()) -> None:
         """RadixCache.check_integrity plus the host tier: every host slot is free, in the tree,
-        held by an in-flight storage operation, or in ``request_host_indices``."""
+        held by a storage operation (an in-flight prefetch, a backup a bounded flush
+        abandoned), or in ``request_host_indices``."""
         super().check_integrity(request_device_indices, check_hashes)
         for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
             if not self._is_attached(node) or node.evicted or node.lock_ref == 0:
@@ -306,7 +333,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self._check_storage_ops()
         owners = {
             "tree": [n.host_value for n in self._all_nodes()],
-            "storage": self.cache_controller.held_host_indices(),
+            "storage": self.cache_controller.held_host_indices(self.KV),
             "requests": list(request_host_indices),
         }
         check_slot_partition("host pool", self.cache_controller.bindings[self.KV].host_alloc, owners)

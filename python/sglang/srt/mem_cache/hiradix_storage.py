@@ -15,8 +15,20 @@ Prefetch, for a waiting request (scheduler thread unless noted):
    goes, the rest of the reservation is freed once the IO thread lets go of it.
 
 Backup: when a host copy is acknowledged on every rank (``_on_write_done``), its pages are
-queued to the backup thread with their hashes, the host copy pinned; ``check_hicache_events``
-agrees how many backups finished (MIN) and unpins them.
+queued to the backup thread with their hashes (and, in a hybrid tree, ``_backup_states``: the
+trailing states to store beside them), the host copy pinned; ``check_hicache_events`` agrees
+how many backups finished (MIN) and unpins them.
+
+Trailing states (``STORAGE_STATE_POOL``, Mamba): the hit agreed for a prefetch is the longest
+prefix whose last page's state is stored on every rank that asked (MIN of each rank's longest);
+its reservation takes one state slot; it counts as arrived only when every page and the state
+did (``PrefetchOperation.usable_pages``), so a tree never gets KV without its state.
+
+Flush: ``_drain_storage`` waits at most ``flush_timeout_s`` (extra config) for storage
+operations; what is still running then is abandoned: prefetch reads keep their reserved slots
+(``holding``), backups' host slots are quarantined (``abandon_backups``), both counted as held
+by the integrity check and freed by ``reap`` once their thread returns; ``reset`` then raises
+``HiCacheFlushIncomplete`` on every rank (the verdict is agreed).
 
 Collectives: every call above makes the same number of all-reduces on every rank whatever the
 local I/O did, because each count it branches on is an agreed value.
@@ -28,6 +40,7 @@ A mixin of HiRadixCache: it uses the tree's ``cache_controller``, ``agreement``,
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 
 import torch
@@ -36,7 +49,8 @@ from sglang.srt.mem_cache.cache_controller import Tier
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
 from sglang.srt.mem_cache.hicache_config import PrefetchPolicy
 from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
-from sglang.srt.mem_cache.storage_ops import BackupOperation, PrefetchOperation, PrefetchState
+from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage_ops import BackupOperation, HiCacheFlushIncomplete, PrefetchOperation, PrefetchState
 from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -45,9 +59,15 @@ MAX_LOADED_RECORDS = 4096  # prefetch_loaded_tokens entries kept for requests no
 
 
 class StorageTreeMixin:
+    STORAGE_STATE_POOL: PoolName | None = None  # the trailing state pool this tree can take from L3
+
     def _init_storage(self, prefetch_stop_policy) -> None:
         self.prefetch_stop_policy = PrefetchPolicy.parse(prefetch_stop_policy)
         self.storage = self.cache_controller.storage  # None: no L3
+        state_pool = self.storage.state_pool if self.storage is not None else None
+        if state_pool is not self.STORAGE_STATE_POOL and state_pool is not None:
+            raise ValueError(f"{type(self).__name__} cannot take {state_pool.value!r} states from L3; "
+                             "use the tree of that hybrid stack (e.g. HiMambaRadixCache)")
         self.ongoing_prefetch: dict[str, PrefetchOperation] = {}
         self.prefetch_loaded_tokens: OrderedDict[str, int] = OrderedDict()
         self._write_tokens: dict[int, int] = {}  # node id -> tokens of its host write (splits move them up)
@@ -79,19 +99,25 @@ class StorageTreeMixin:
         if not tokens or len(tokens) < self.storage.settings.prefetch_threshold:
             self.storage.count(prefetch_skipped=1)
             return 0
-        if last_host_node is self.root_node:
-            prior = namespace_hash(extra_key)
-        else:
-            if extra_key is not None and extra_key != last_host_node.key.extra_key:
-                raise ValueError(f"extra_key {extra_key!r} differs from the node's {last_host_node.key.extra_key!r}")
-            extra_key, prior = last_host_node.key.extra_key, last_host_node.hash_value[-1]
-        if last_hash is not None and last_hash != prior:
-            raise ValueError("last_hash is not the last page hash of last_host_node")
+        extra_key, prior = self._prefetch_namespace(last_host_node, extra_key, last_hash)
         op = PrefetchOperation(req_id, last_host_node, tokens, page_hashes(tokens, P, prior), extra_key)
         self.protect_host(last_host_node)
         self.ongoing_prefetch[req_id] = op
         self.storage.submit_query(op)
         return len(tokens)
+
+    def _prefetch_namespace(self, node: TreeNode, extra_key: str | None, last_hash) -> tuple[str | None, str]:
+        """(namespace, prior page hash) of pages after ``node``; ValueError when ``extra_key`` or
+        ``last_hash`` contradict the node."""
+        if node is self.root_node:
+            prior = namespace_hash(extra_key)
+        else:
+            if extra_key is not None and extra_key != node.key.extra_key:
+                raise ValueError(f"extra_key {extra_key!r} differs from the node's {node.key.extra_key!r}")
+            extra_key, prior = node.key.extra_key, node.hash_value[-1]
+        if last_hash is not None and last_hash != prior:
+            raise ValueError("last_hash is not the last page hash of last_host_node")
+        return extra_key, prior
 
     def _time_budget(self, op: PrefetchOperation) -> float:
         settings = self.storage.settings
@@ -110,7 +136,7 @@ class StorageTreeMixin:
             return True
         local_done = op.state is PrefetchState.FINISHED or (op.state is PrefetchState.LOADING and op.io_done)
         in_time = op.elapsed() < self._time_budget(op)
-        arrived = op.completed_pages if op.state is PrefetchState.LOADING else 0
+        arrived = op.usable_pages()
         done, in_time, arrived = self.agreement.min([int(local_done), int(in_time), arrived])
         if not (done or not in_time or self.prefetch_stop_policy is PrefetchPolicy.BEST_EFFORT):
             return False
@@ -124,24 +150,29 @@ class StorageTreeMixin:
         op.terminated = op.cancel = True
         del self.ongoing_prefetch[op.request_id]
         keep = keep_pages * self.page_size
-        inserted = 0
+        inserted, state_taken = 0, False
         if keep:
-            host = op.host_indices[:keep]
-            key = RadixKey(op.tokens[:keep], op.extra_key)
-            dup = self._insert_host_from(op.last_node, key, host)
+            dup, state_taken = self._insert_prefetched(op, keep)
             if dup:
-                self.cache_controller.free(Tier.HOST, self.KV, host[:dup])
+                self.cache_controller.free(Tier.HOST, self.KV, op.host_indices[:dup])
             inserted = keep - dup
             self.storage.count(prefetch_pages_loaded=keep_pages, prefetch_pages_duplicate=dup // self.page_size)
         self.release_host(op.last_node)
         if op.state is PrefetchState.LOADING:
-            self.storage.release_prefetch(op, keep)
+            self.storage.release_prefetch(op, keep, state_taken)
         op.state = PrefetchState.FINISHED
         if inserted:
             self.prefetch_loaded_tokens[op.request_id] = inserted
             while len(self.prefetch_loaded_tokens) > MAX_LOADED_RECORDS:
                 self.prefetch_loaded_tokens.popitem(last=False)
         logger.debug("prefetch %s ended: %d of %d pages kept", op.request_id, keep_pages, op.hit_pages)
+
+    def _insert_prefetched(self, op: PrefetchOperation, keep: int) -> tuple[int, bool]:
+        """Insert ``op``'s first ``keep`` tokens as host-only nodes after ``op.last_node``.
+        Returns (leading tokens the tree already held: the caller frees those slots, whether
+        the tree took ``op.state_host``)."""
+        key = RadixKey(op.tokens[:keep], op.extra_key)
+        return self._insert_host_from(op.last_node, key, op.host_indices[:keep]), False
 
     def pop_prefetch_loaded_tokens(self, req_id: str) -> int:
         """Tokens that ``req_id``'s prefetch added to the tree (0 if none); forgets them."""
@@ -170,11 +201,15 @@ class StorageTreeMixin:
             if n == 0 or n * self.page_size < threshold:
                 self.storage.count(prefetch_skipped=1)
                 continue
-            host = self._reserve(Tier.HOST, {self.KV: n * self.page_size})
+            need = {self.KV: n * self.page_size}
+            if self.storage.state_pool is not None:
+                need[self.storage.state_pool] = 1  # the state after the last hit page
+            host = self._reserve(Tier.HOST, need)
             if host is None:
                 self.storage.count(prefetch_host_full=1)
                 continue
             op.host_indices, op.state = host[self.KV], PrefetchState.LOADING
+            op.state_host = host.get(self.storage.state_pool)
             self.storage.start_io(op)
 
     # ---- backup -------------------------------------------------------------------------
@@ -203,8 +238,13 @@ class StorageTreeMixin:
         keys = [h for n in nodes for h in n.hash_value]
         host = torch.cat([n.host_value for n in nodes])
         self.protect_host(nodes[-1])
-        self.storage.submit_backup(BackupOperation(nodes[-1], keys, host))
+        self.storage.submit_backup(BackupOperation(nodes[-1], keys, host, self._backup_states(nodes)))
         return len(keys)
+
+    def _backup_states(self, nodes: list[TreeNode]) -> list[tuple[int, torch.Tensor]]:
+        """(page index in the backup, state host slot) of each trailing state to store with
+        ``nodes``' pages; none in a plain tree."""
+        return []
 
     # ---- per-step agreement (with check_hicache_events) ---------------------------------
     def _storage_progress(self) -> list[int]:
@@ -222,21 +262,33 @@ class StorageTreeMixin:
         self._start_prefetch_reads(self.storage.pop_queries(queries))
 
     # ---- flush and integrity ------------------------------------------------------------
-    def _drain_storage(self) -> None:
-        """Before a reset: end every prefetch (nothing kept), let every backup finish and be
-        acknowledged, free what prefetches held. Same calls on every rank."""
-        if self.storage is None:
-            return
+    def _drain_storage(self, timeout_s: float | None) -> tuple[dict[PoolName, torch.Tensor],
+                                                             HiCacheFlushIncomplete | None]:
+        """Before a reset: end every prefetch (nothing kept), acknowledge host transfers, wait
+        at most ``timeout_s`` (default ``flush_timeout_s``) for storage operations, abandon the
+        rest. Returns (host slots of abandoned backups: not the tree's to free any more, the
+        error to raise once the tree is reset, or None). Same collectives on every rank.
+        ValueError (before anything is abandoned) while a request holds a lock."""
+        timeout = self.storage.settings.flush_timeout_s if timeout_s is None else float(timeout_s)
+        if timeout < 0:
+            raise ValueError(f"reset: timeout_s must be >= 0, got {timeout_s!r}")
+        deadline = time.monotonic() + timeout
         for op in list(self.ongoing_prefetch.values()):
             self._end_prefetch(op, 0)
         self.cache_controller.synchronize()
-        self.storage.synchronize()
+        self.storage.synchronize(max(deadline - time.monotonic(), 0.0))
         self.check_hicache_events()  # host writes acked now queue their backups
-        self.storage.synchronize()
+        if self.protected_size_:
+            raise ValueError(f"reset with {self.protected_size_} tokens still locked by requests")
+        self.storage.synchronize(max(deadline - time.monotonic(), 0.0))
         self.check_hicache_events()
+        keep = self.storage.abandon_backups()  # the queue is the same on every rank (agreed pops)
         self.storage.reap()
-        if self.storage.holding or self.storage.backup_queue or self.storage.query_queue:
-            raise CacheIntegrityError("storage operations still in flight after draining")
+        pending = self.storage.pending()
+        if self.agreement.all_true(not any(pending.values())):
+            return keep, None
+        logger.warning("flush: storage operations still running after %.3g s: %s", timeout, pending)
+        return keep, HiCacheFlushIncomplete(timeout, pending)
 
     def _check_storage_ops(self) -> None:
         for req_id, op in self.ongoing_prefetch.items():

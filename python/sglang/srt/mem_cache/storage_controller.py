@@ -4,12 +4,20 @@
   pages, stopping at the first chunk with a miss) -> ``op.local_hit_pages``;
 - IO thread: reads the agreed hit pages into reserved host slots, chunk by chunk, advancing
   ``op.completed_pages`` by the leading pages that arrived; stops at a miss or when cancelled;
-- backup thread: asks which leading pages storage already has and stores only the rest.
+  with a state pool it then reads the state after the last hit page (only when every page
+  arrived: KV without its state is never used);
+- backup thread: asks which leading pages storage already has and stores only the rest, with
+  the trailing states of the backed-up nodes (a state whose pages are already stored is
+  checked and stored on its own).
 
 The threads never talk to other ranks and never touch the tree or an allocator (except
 freeing a revoked prefetch's slots from the scheduler thread in ``reap``): every TP agreement
-happens on the scheduler thread (``hiradix_storage.py``). Any exception or malformed result
-of the backend is a miss for that operation and a counted failure; the threads keep running.
+happens on the scheduler thread (``hiradix_storage.py``). Backend calls and the checks of
+their answers are in ``storage_backend_calls.py``: a fault is a miss and a counted failure.
+
+A bounded flush (``synchronize(timeout_s)`` then ``abandon_backups``) leaves operations running:
+a prefetch read keeps its reserved slots in ``holding``, an abandoned backup keeps its host
+slots in ``quarantine``; ``reap`` frees both once their thread is done with them.
 
 MLA (KV replicated over TP ranks): every rank calls ``batch_set``; the backend itself skips
 the write on TP rank != 0 (``backup_skip``). That is the only mechanism: this class never looks
@@ -20,15 +28,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
 import torch
 
-from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, PoolTransfer, leading_hits
-from sglang.srt.mem_cache.storage_ops import BackupOperation, PrefetchOperation
+from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, leading_hits
+from sglang.srt.mem_cache.storage_backend_calls import BackendCalls
+from sglang.srt.mem_cache.storage_ops import BackupOperation, PrefetchOperation, Quarantine
 from sglang.srt.mem_cache.storage_settings import StorageSettings
-from sglang.srt.mem_cache.transfer_lane import ThreadLane
+from sglang.srt.mem_cache.transfer_lane import CpuEvent, ThreadLane
 
 logger = logging.getLogger(__name__)
 
@@ -40,32 +50,41 @@ COUNTERS = (
     "prefetch_pages_found",  # agreed pages found in storage
     "prefetch_pages_loaded",  # pages inserted into the tree (agreed over ranks)
     "prefetch_pages_duplicate",  # arrived, but the tree had them meanwhile (freed)
+    "prefetch_state_misses",  # every page arrived but the state after them did not (nothing kept)
     "backup_ops",
     "backup_pages_existing",  # already in storage: not written again
     "backup_pages_submitted",  # handed to batch_set
     "backup_pages_failed",  # batch_set returned False
+    "backup_states_existing",  # trailing states already in storage
+    "backup_states_submitted",
+    "backup_states_failed",
+    "flush_abandoned_backups",  # backups a bounded flush stopped waiting for (slots quarantined)
     "controller_failures",  # backend calls that raised or returned a malformed result
 )
 
 
 class StorageController:
     """``backend``: a HiCacheStorage. ``side_pools``: pools that share the anchor's host slots
-    (moved with every anchor page through the v2 API; empty -> the v1 API). ``free_host``:
-    returns anchor host slots to their allocator (called on the scheduler thread only)."""
+    (moved with every anchor page through the v2 API; empty -> the v1 API). ``state_pool``:
+    a pool of trailing states with slots of its own (Mamba), or None. ``free_host(name,
+    slots)``: returns host slots of pool ``name`` to their allocator (scheduler thread only)."""
 
     def __init__(self, backend, page_size: int, settings: StorageSettings, side_pools: list[PoolName],
-                 free_host: Callable[[torch.Tensor], None]):
+                 free_host: Callable[[PoolName, torch.Tensor], None], state_pool: PoolName | None = None):
         self.backend = backend
         self.page_size = page_size
         self.settings = settings
         self.side_pools = list(side_pools)
+        self.state_pool = state_pool
         self.free_host = free_host
+        self.calls = BackendCalls(backend, self.side_pools, state_pool, self.count)
         self.prefetch_lane = ThreadLane("hicache-prefetch")
         self.io_lane = ThreadLane("hicache-prefetch-io")
         self.backup_lane = ThreadLane("hicache-backup")
         self.query_queue: deque[PrefetchOperation] = deque()
         self.backup_queue: deque[BackupOperation] = deque()
         self.holding: list[PrefetchOperation] = []  # ops whose reserved slots are not all released
+        self.quarantine: list[Quarantine] = []
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self._closed = False
@@ -90,58 +109,6 @@ class StorageController:
         merged["failures"] = backend.get("failures", 0) + mine["controller_failures"]
         return merged
 
-    # ---- backend calls (storage threads) -----------------------------------------------
-    def _call(self, what: str, fn, expect_len: int | None = None):
-        """``fn()``; None (a counted failure) when it raises or returns a malformed result."""
-        try:
-            out = fn()
-        except Exception as exc:  # noqa: BLE001 - a backend fault is a miss, never a crash
-            level = logging.ERROR if isinstance(exc, (ValueError, TypeError)) else logging.WARNING
-            logger.log(level, "storage %s raised %r; treated as a miss", what, exc, exc_info=True)
-            self.count(controller_failures=1)
-            return None
-        if expect_len is not None and (not isinstance(out, (list, tuple)) or len(out) != expect_len):
-            logger.warning("storage %s returned %r, expected %d flags; treated as a miss", what, out, expect_len)
-            self.count(controller_failures=1)
-            return None
-        return out
-
-    def _transfers(self, keys: list[str], host: torch.Tensor | None) -> list[PoolTransfer]:
-        names = [PoolName.KV, *self.side_pools]
-        return [PoolTransfer(n, host_indices=host, keys=keys) for n in names]
-
-    def exists(self, keys: list[str]) -> int | None:
-        """Leading pages of ``keys`` in storage (anchor and every side pool); None on a fault."""
-        if not self.side_pools:
-            n = self._call("batch_exists", lambda: self.backend.batch_exists(keys))
-        else:
-            side = [PoolTransfer(name) for name in self.side_pools]
-            res = self._call("batch_exists_v2", lambda: self.backend.batch_exists_v2(keys, side))
-            n = None if res is None else res.hit_pages
-        if n is None:
-            return None
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(keys):
-            logger.warning("storage batch_exists returned %r for %d keys; treated as a miss", n, len(keys))
-            self.count(controller_failures=1)
-            return None
-        return n
-
-    def _pages(self, what: str, keys: list[str], host: torch.Tensor) -> list[bool]:
-        """Per page: arrived (get) / stored (set) in every pool; all False on a fault."""
-        if not self.side_pools:
-            fn = self.backend.batch_get_v1 if what == "get" else self.backend.batch_set_v1
-            flags = self._call(f"batch_{what}_v1", lambda: fn(keys, host), len(keys))
-            return [bool(f) for f in flags] if flags is not None else [False] * len(keys)
-        fn = self.backend.batch_get_v2 if what == "get" else self.backend.batch_set_v2
-        res = self._call(f"batch_{what}_v2", lambda: fn(self._transfers(keys, host)))
-        names = [PoolName.KV, *self.side_pools]
-        if not isinstance(res, dict) or any(len(res.get(n, ())) != len(keys) for n in names):
-            if res is not None:
-                logger.warning("storage batch_%s_v2 returned %r; treated as a miss", what, res)
-                self.count(controller_failures=1)
-            return [False] * len(keys)
-        return [all(bool(res[n][i]) for n in names) for i in range(len(keys))]
-
     def _slots(self, host: torch.Tensor, first_page: int, num_pages: int) -> torch.Tensor:
         P = self.page_size
         return host[first_page * P : (first_page + num_pages) * P]
@@ -154,21 +121,25 @@ class StorageController:
         self.prefetch_lane.submit(lambda: self._query(op), [])
 
     def _query(self, op: PrefetchOperation) -> None:
-        hits = 0
+        """``op.local_hit_pages``: leading stored pages; with a state pool, the longest of
+        those prefixes whose trailing state is stored."""
+        usable = 0
         try:
             for start in range(0, len(op.keys), STORAGE_BATCH_SIZE):
                 if op.cancel:
                     break
                 chunk = op.keys[start : start + STORAGE_BATCH_SIZE]
-                n = self.exists(chunk)
-                if n is None:
+                got = self.calls.exists(chunk)
+                if got is None:
                     op.failed = True
                     break
-                hits += n
-                if n < len(chunk):
+                leading, chunk_usable = got
+                if chunk_usable:
+                    usable = start + chunk_usable
+                if leading < len(chunk):
                     break
         finally:
-            op.local_hit_pages = hits
+            op.local_hit_pages = usable
             op.query_done = True
 
     def leading_queries_done(self) -> int:
@@ -183,8 +154,9 @@ class StorageController:
         return [self.query_queue.popleft() for _ in range(n)]
 
     def start_io(self, op: PrefetchOperation) -> None:
-        """Read ``op``'s agreed hit pages into ``op.host_indices`` on the IO thread."""
-        op.held = op.host_indices
+        """Read ``op``'s agreed hit pages into ``op.host_indices`` (and its trailing state into
+        ``op.state_host``) on the IO thread."""
+        op.held, op.state_held = op.host_indices, op.state_host
         self.holding.append(op)
         self.io_lane.submit(lambda: self._read(op), [])
 
@@ -194,37 +166,63 @@ class StorageController:
                 if op.cancel:
                     break
                 num = min(STORAGE_BATCH_SIZE, op.hit_pages - start)
-                flags = self._pages("get", op.keys[start : start + num], self._slots(op.host_indices, start, num))
+                flags, _ = self.calls.pages("get", op.keys[start : start + num],
+                                            self._slots(op.host_indices, start, num))
                 ok = leading_hits(flags)
                 op.completed_pages += ok
                 if ok < num:
                     op.failed = True
                     break
+            if op.state_host is not None and op.completed_pages == op.hit_pages > 0 and not op.cancel:
+                op.state_ok = self.calls.states("get", [op.keys[op.hit_pages - 1]], [op.state_host])[0]
+                if not op.state_ok:
+                    op.failed = True
+                    self.count(prefetch_state_misses=1)
         finally:
             op.io_done = True
 
-    def release_prefetch(self, op: PrefetchOperation, handed_tokens: int) -> None:
-        """The tree took (or freed) ``op.held[:handed_tokens]``; free the rest as soon as the IO
-        thread is done with it (now, or in a later ``reap``)."""
+    def release_prefetch(self, op: PrefetchOperation, handed_tokens: int, state_handed: bool = False) -> None:
+        """The tree took (or freed) ``op.held[:handed_tokens]`` and, with ``state_handed``, the
+        state slot; free the rest as soon as the IO thread is done with it (now, or in a later
+        ``reap``)."""
         op.cancel = True
         if op.held is not None:
             op.held = op.held[handed_tokens:]
+        if state_handed:
+            op.state_held = None
         self.reap()
 
     def reap(self) -> None:
-        """Free the slots of terminated prefetches whose reads have stopped (scheduler thread)."""
+        """Free the slots of terminated prefetches whose reads have stopped, and of abandoned
+        backups whose writes have (scheduler thread)."""
         keep = []
         for op in self.holding:
             if op.cancel and op.io_done:
                 if op.held is not None and op.held.numel():
-                    self.free_host(op.held)
-                op.held = None
+                    self.free_host(PoolName.KV, op.held)
+                if op.state_held is not None:
+                    self.free_host(self.state_pool, op.state_held)
+                op.held = op.state_held = None
             else:
                 keep.append(op)
         self.holding = keep
+        still = []
+        for q in self.quarantine:
+            if q.released():
+                for name, slots in q.slots.items():
+                    self.free_host(name, slots)
+                logger.info("storage: %d abandoned backups returned; their host slots are free", len(q.ops))
+            else:
+                still.append(q)
+        self.quarantine = still
 
-    def held_host_indices(self) -> list[torch.Tensor]:
-        return [op.held for op in self.holding if op.held is not None and op.held.numel()]
+    def held_host_indices(self, name: PoolName = PoolName.KV) -> list[torch.Tensor]:
+        """Host slots of pool ``name`` held by in-flight prefetches and quarantined backups."""
+        if name is PoolName.KV:
+            held = [op.held for op in self.holding if op.held is not None and op.held.numel()]
+        else:
+            held = [op.state_held for op in self.holding if op.state_held is not None and name is self.state_pool]
+        return held + [q.slots[name] for q in self.quarantine if name in q.slots]
 
     # ---- backup -------------------------------------------------------------------------
     def submit_backup(self, op: BackupOperation) -> None:
@@ -237,19 +235,37 @@ class StorageController:
             existing = 0
             for start in range(0, len(op.keys), STORAGE_BATCH_SIZE):
                 chunk = op.keys[start : start + STORAGE_BATCH_SIZE]
-                n = self.exists(chunk)
-                existing += n or 0
-                if n != len(chunk):
+                got = self.calls.exists(chunk, with_state=False)
+                existing += got[0] if got is not None else 0
+                if got is None or got[0] != len(chunk):
                     break
             self.count(backup_pages_existing=existing)
+            self._backup_stored_pages_states(op, existing)
             for start in range(existing, len(op.keys), STORAGE_BATCH_SIZE):
                 num = min(STORAGE_BATCH_SIZE, len(op.keys) - start)
-                flags = self._pages("set", op.keys[start : start + num], self._slots(op.host_indices, start, num))
-                failed = num - sum(flags)
-                self.count(backup_pages_submitted=num, backup_pages_failed=failed)
-                op.failed = op.failed or failed > 0
+                states = [(i - start, slot) for i, slot in op.states if start <= i < start + num]
+                flags, state_flags = self.calls.pages("set", op.keys[start : start + num],
+                                                      self._slots(op.host_indices, start, num), states)
+                failed, states_failed = num - sum(flags), len(states) - sum(state_flags)
+                self.count(backup_pages_submitted=num, backup_pages_failed=failed,
+                           backup_states_submitted=len(states), backup_states_failed=states_failed)
+                op.failed = op.failed or failed > 0 or states_failed > 0
         finally:
             op.done = True
+
+    def _backup_stored_pages_states(self, op: BackupOperation, existing: int) -> None:
+        """States after pages storage already has: stored unless found (a shorter prefix may
+        have been stored without its state, e.g. as part of a longer one)."""
+        for i, slot in op.states:
+            if i >= existing:
+                continue
+            got = self.calls.exists([op.keys[i]])
+            if got is not None and got[1] == 1:
+                self.count(backup_states_existing=1)
+                continue
+            ok = self.calls.states("set", [op.keys[i]], [slot])[0]
+            self.count(backup_states_submitted=1, backup_states_failed=int(not ok))
+            op.failed = op.failed or not ok
 
     def leading_backups_done(self) -> int:
         n = 0
@@ -262,11 +278,51 @@ class StorageController:
     def pop_backups(self, n: int) -> list[BackupOperation]:
         return [self.backup_queue.popleft() for _ in range(n)]
 
+    # ---- flush --------------------------------------------------------------------------
+    def abandon_backups(self) -> dict[PoolName, torch.Tensor]:
+        """Take every queued backup out of the queue without waiting for it (a bounded flush)
+        and quarantine its host slots until its thread is done. Returns those slots per pool:
+        the caller (the tree being reset) must not free them."""
+        ops = list(self.backup_queue)
+        self.backup_queue.clear()
+        if not ops:
+            return {}
+        slots = {PoolName.KV: torch.unique(torch.cat([op.host_indices for op in ops]))}
+        states = [slot.view(-1) for op in ops for _, slot in op.states]
+        if states:
+            slots[self.state_pool] = torch.unique(torch.cat(states))
+        self.quarantine.append(Quarantine(ops, slots))
+        self.count(flush_abandoned_backups=len(ops))
+        logger.warning("storage: flush abandoned %d backups still running; %d host slots quarantined",
+                       len(ops), sum(s.numel() for s in slots.values()))
+        return slots
+
+    def pending(self) -> dict[str, int]:
+        """Operations a storage thread has not finished: backups (queued or quarantined),
+        prefetch reads still holding slots, existence checks."""
+        quarantined = [op for q in self.quarantine for op in q.ops]
+        return {
+            "backups": sum(not op.done for op in [*self.backup_queue, *quarantined]),
+            "reads": sum(not op.io_done for op in self.holding),
+            "queries": sum(not op.query_done for op in self.query_queue),
+        }
+
     # ---- lifecycle ----------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Block until every queued query, read and backup has run."""
+    def synchronize(self, timeout_s: float | None = None) -> bool:
+        """Wait until every query, read and backup submitted so far has run; with ``timeout_s``
+        wait at most that long in all (a hung backend). True when everything ran."""
+        markers = []
         for lane in (self.prefetch_lane, self.io_lane, self.backup_lane):
-            lane.synchronize()
+            done = CpuEvent(armed=True)
+            lane.submit(done.record, [done])
+            markers.append(done)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for done in markers:
+            try:
+                done.synchronize(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                return False
+        return True
 
     def close(self) -> None:
         """Stop the threads (after their current job) and close the backend; idempotent."""

@@ -11,6 +11,11 @@ names the key.
 | ``prefetch_timeout_base`` | s | 1.0 | ``timeout`` policy: fixed part of the budget |
 | ``prefetch_timeout_per_ki_token`` | s / 1024 tokens | 0.25 | ``timeout`` policy: per hit token |
 | ``prefetch_timeout_max`` | s | 30.0 | every policy: a prefetch never waits longer |
+| ``flush_timeout_s`` | s | 5.0 | ``reset`` (flush) waits at most this long for storage operations |
+
+``flush_timeout_s`` bounds ``/flush_cache``: operations still running after it (a hung backend)
+are abandoned, their host slots quarantined until the backend returns, and ``reset`` raises
+``HiCacheFlushIncomplete`` (see ``hiradix_storage.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class StorageSettings:
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
     prefetch_timeout_max: float = 30.0
+    flush_timeout_s: float = 5.0
 
     def timeout_budget(self, hit_tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``hit_tokens`` found tokens."""
@@ -38,6 +44,7 @@ _KEYS = {
     "prefetch_timeout_base": (float, 0.0, False),
     "prefetch_timeout_per_ki_token": (float, 0.0, False),
     "prefetch_timeout_max": (float, 0.0, True),
+    "flush_timeout_s": (float, 0.0, True),
 }
 CONTROLLER_KEYS = tuple(_KEYS)
 

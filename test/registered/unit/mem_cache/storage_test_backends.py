@@ -6,7 +6,9 @@ wrote) plus faults and delays chosen in the extra config:
 - ``delay_exists_s`` / ``delay_get_s`` / ``delay_set_s``: seconds slept before each call;
 - ``raise_on``: calls that raise (``exists``, ``get``, ``set``);
 - ``malformed_on``: calls that return a malformed result (a wrong-length or non-list answer);
-- ``fault_rank``: faults and delays apply only on this TP rank (all ranks when absent).
+- ``fault_rank``: faults and delays apply only on this TP rank (all ranks when absent);
+- ``hang_on``: calls that block (a hung backend) until ``release_hangs()``, or at most
+  ``hang_max_s`` seconds (default 60); ``wait_hanging(timeout)`` waits until one blocks.
 
 It counts its calls (``calls_exists``, ``calls_get``, ``calls_set``) in ``get_stats()``.
 Helpers build the ``dynamic`` extra config and a controller-level setup for the tests.
@@ -20,7 +22,8 @@ import time
 
 from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
 
-_KEYS = ("delay_exists_s", "delay_get_s", "delay_set_s", "raise_on", "malformed_on", "fault_rank")
+_KEYS = ("delay_exists_s", "delay_get_s", "delay_set_s", "raise_on", "malformed_on", "fault_rank", "hang_on",
+         "hang_max_s")
 
 
 class InjectedStorageFault(RuntimeError):
@@ -35,6 +38,8 @@ class ScriptedFileBackend(HiCacheFile):
         self.faulty = rank is None or rank == storage_config.tp_rank
         self.calls = {"exists": 0, "get": 0, "set": 0}
         self._calls_lock = threading.Lock()
+        self._released = threading.Event()
+        self._hanging = threading.Event()
         rest = {k: v for k, v in extra.items() if k not in _KEYS}
         super().__init__(dataclasses.replace(storage_config, extra_config=rest), mem_pool_host)
 
@@ -46,6 +51,9 @@ class ScriptedFileBackend(HiCacheFile):
         delay = self.script.get(f"delay_{what}_s", 0)
         if delay:
             time.sleep(delay)
+        if what in self.script.get("hang_on", ()):
+            self._hanging.set()
+            self._released.wait(self.script.get("hang_max_s", 60))
         if what in self.script.get("raise_on", ()):
             raise InjectedStorageFault(f"injected {what} fault")
         if what in self.script.get("malformed_on", ()):
@@ -66,6 +74,14 @@ class ScriptedFileBackend(HiCacheFile):
         if self._enter("set"):
             return None
         return super().batch_set_v1(keys, host_indices, extra_info)
+
+    def wait_hanging(self, timeout: float) -> bool:
+        """True once a call is blocked by ``hang_on`` (within ``timeout`` seconds)."""
+        return self._hanging.wait(timeout)
+
+    def release_hangs(self) -> None:
+        """Let every blocked call (and every later one) go on."""
+        self._released.set()
 
     # batch_exists_v2 goes through batch_exists above
     def batch_get_v2(self, transfers, extra_info=None):

@@ -1,15 +1,14 @@
 """Hybrid stacks through L3: every pool of the group (MLA KV + DSA indexer; the DeepSeek-V4
 logical anchor + compressed state) is backed up, flushed from L1 and L2, prefetched and loaded
-back bit-exact, through the file and the NIXL backends; the KV + Mamba stack refuses storage."""
+back bit-exact, through the file and the NIXL backends. (KV + Mamba: test_hi_mamba_storage.py.)"""
 
 import time
 
 import pytest
 import torch
-from tree_fixtures import STACKS, fill_random, kv_mamba_stack, snapshot
+from tree_fixtures import STACKS, fill_random, snapshot
 
 from sglang.srt.mem_cache.hicache_config import HiCacheConfig
-from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -91,16 +90,6 @@ def test_a_missing_sidecar_page_limits_the_hit(tmp_path):
         time.sleep(0.005)
     assert tree.match_prefix(RadixKey(TOKENS)).host_hit_length == 4
     tree.reset()
-    stack.cache_controller.close()
-
-
-def test_kv_mamba_stack_refuses_storage(tmp_path):
-    with pytest.raises(ValueError, match="KV \\+ Mamba stack has no L3 support yet"):
-        kv_mamba_stack(config(tmp_path, "file", "layer_first"))
-    stack = kv_mamba_stack()
-    with pytest.raises(ValueError, match="pools that have their own slots \\(mamba\\)"):
-        HybridCacheController(stack.params, stack.host_pool_group, storage_backend="file", model_name="m",
-                              storage_backend_extra_config={"storage_dir": str(tmp_path)})
     stack.cache_controller.close()
 
 

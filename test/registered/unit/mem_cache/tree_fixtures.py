@@ -7,7 +7,9 @@ the tree reports for a prefix can be checked byte for byte, wherever the bytes t
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -30,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import (
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
+from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
@@ -221,3 +224,107 @@ def fill_random(tensor: torch.Tensor, slots: torch.Tensor, gen: torch.Generator)
 def snapshot(pool, slots: torch.Tensor) -> dict[str, torch.Tensor]:
     """Bytes of every component of ``pool`` at ``slots``, all layers."""
     return {name: buf[:, slots].contiguous().view(torch.uint8).clone() for name, buf in pool.buffers.items()}
+
+
+# ---- KV + Mamba through L3 ----------------------------------------------------------------
+MAMBA_A = [3, 1, 4, 1]  # two pages of two tokens
+MAMBA_AB = MAMBA_A + [5, 9, 2, 6]  # four pages
+L3_DEADLINE_S = 20
+
+
+class MambaL3Env:
+    """A KV + Mamba stack on an L3 backend under ``tmp_path / backend`` and the steps of the
+    Mamba L3 tests; ``coords``: CacheInitParams keyword arguments (TP rank, size, group)."""
+
+    def __init__(self, tmp_path, backend="file", layout="layer_first", write_policy="write_through", seed=3,
+                 **coords):
+        config = HiCacheConfig(io_backend="direct", mem_layout=layout, write_policy=write_policy,
+                               storage_backend=backend, model_name="tiny", prefetch_policy="wait_complete",
+                               storage_backend_extra_config={"storage_dir": str(Path(tmp_path) / backend),
+                                                             "prefetch_threshold": 2})
+        self.stack = kv_mamba_stack(config, **coords)
+        self.tree = self.stack.tree_cache
+        self.controller = self.stack.cache_controller
+        self.alloc = self.stack.params.token_to_kv_pool_allocator
+        self.kv = self.alloc.get_kvcache()
+        self.mamba = self.stack.host_pool_group.entry(PoolName.MAMBA).device_pool
+        self.mamba_host = self.stack.host_pool_group.entry(PoolName.MAMBA).host_pool
+        self.root = Path(tmp_path) / backend
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def insert(self, tokens, with_state=True):
+        """Cache ``tokens`` with random KV (and state); (KV bytes of the new slots, state bytes)."""
+        slots = self.alloc.alloc(len(tokens))
+        for buf in self.kv.buffers.values():
+            fill_random(buf, slots, self.gen)
+        kv_bytes, state, state_bytes = snapshot(self.kv, slots), None, None
+        if with_state:
+            state = self.mamba.alloc(1)
+            for buf in self.mamba.buffers.values():
+                fill_random(buf, state, self.gen)
+            state_bytes = snapshot(self.mamba, state)
+        prefix = self.tree.insert(RadixKey(tokens), slots, mamba_value=state)
+        if prefix:
+            self.alloc.free(slots[:prefix])
+        return kv_bytes, state_bytes
+
+    def settle(self):
+        self.controller.synchronize()
+        self.tree.storage.synchronize()
+        self.tree.check_hicache_events()
+        self.tree.storage.synchronize()
+        self.tree.check_hicache_events()
+
+    def flush(self):
+        self.tree.reset()
+        self.kv.clear()
+        self.mamba.clear()
+
+    def prefetch(self, tokens, node=None, rid="r") -> int:
+        asked = self.tree.prefetch_from_storage(rid, node or self.tree.root_node, tokens)
+        deadline = time.monotonic() + L3_DEADLINE_S
+        while not self.tree.check_prefetch_progress(rid):
+            assert time.monotonic() < deadline, "prefetch did not end"
+            self.tree.check_hicache_events()
+            time.sleep(0.005)
+        return asked
+
+    def load_back(self, tokens):
+        """Match, load the host part back; (match, device slots of the whole hit, its end node)."""
+        m = self.tree.match_prefix(RadixKey(tokens))
+        got = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
+        assert got is not None
+        self.tree.ready_to_load_host_cache()
+        self.settle()
+        return m, torch.cat([m.device_indices, got]), m.last_host_node
+
+    def l3(self):
+        return self.controller.get_stats()["l3"]
+
+    def state_file(self, page_hash):
+        name = self.controller.storage_backend.codec(PoolName.MAMBA).object_names(page_hash)[0]
+        found = [p for p in self.root.rglob(f"{name}*") if p.is_file()]
+        assert len(found) == 1, f"expected one stored object for the state, found {found}"
+        return found[0]
+
+    def close(self):
+        self.tree.reset()
+        assert self.alloc.available_size() == self.alloc.size
+        assert self.mamba.available_size() == self.mamba.size
+        assert self.controller.mem_pool_host.available_size() == self.controller.mem_pool_host.size
+        assert self.mamba_host.available_size() == self.mamba_host.size
+        self.controller.close()
+
+
+def mamba_l3_filled(tmp_path, **kwargs):
+    """L3 holds AB (states after A and after AB); L1 and L2 are empty. Returns the env, the KV
+    bytes of AB, the two states' bytes and AB's page hashes."""
+    env = MambaL3Env(tmp_path, **kwargs)
+    kv_a, state_a = env.insert(MAMBA_A)
+    kv_b, state_b = env.insert(MAMBA_AB)
+    env.settle()
+    b = env.tree.match_prefix(RadixKey(MAMBA_AB)).last_device_node
+    hashes = b.parent.hash_value + b.hash_value
+    env.flush()
+    kv_ab = {c: torch.cat([kv_a[c], kv_b[c][:, len(MAMBA_A):]], dim=1) for c in kv_a}
+    return env, kv_ab, state_a, state_b, hashes

@@ -6,8 +6,10 @@ Pools with slots of their own (Mamba: one per state) get their own binding and t
 transfers, and share the same lanes, acks and layer events as the anchor.
 
 Storage (L3): the backend registers the whole group; every sidecar moves with each anchor page
-through the v2 API (``batch_*_v2`` with one PoolTransfer per pool, the anchor's slots). Pools
-with their own slots (Mamba) are not wired to L3 yet: attaching storage to such a group raises.
+through the v2 API (``batch_*_v2`` with one PoolTransfer per pool, the anchor's slots). The
+Mamba pool (own slots) is L3's trailing state pool: one state per backed-up node, stored under
+the node's last page hash, found with the TRAILING_PAGES hit policy (``storage_controller.py``).
+Other pools with slots of their own cannot be attached to L3.
 """
 
 from __future__ import annotations
@@ -52,11 +54,16 @@ class HybridCacheController(HiCacheController):
         return self.host_pool_group
 
     def _storage_side_pools(self) -> list[PoolName]:
-        own = [e.name.value for e in self.host_pool_group.entries.values()
-               if e is not self.host_pool_group.anchor and not e.shares_anchor_slots]
-        if own:
-            raise ValueError(f"L3 storage is not supported with pools that have their own slots ({', '.join(own)}); "
-                             "start without a storage backend")
         if self.anchor_name is not PoolName.KV:
             raise ValueError(f"L3 storage needs the anchor pool to be named 'kv', got {self.anchor_name.value!r}")
         return [e.name for e in self.host_pool_group.sidecars()]
+
+    def _storage_state_pool(self) -> PoolName | None:
+        own = [e.name for e in self.host_pool_group.entries.values()
+               if e is not self.host_pool_group.anchor and not e.shares_anchor_slots]
+        if not own:
+            return None
+        if own != [PoolName.MAMBA]:
+            raise ValueError(f"L3 storage supports one pool with its own slots, 'mamba'; this group has "
+                             f"{', '.join(n.value for n in own)}; start without a storage backend")
+        return PoolName.MAMBA

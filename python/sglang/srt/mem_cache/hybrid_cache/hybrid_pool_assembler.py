@@ -10,8 +10,9 @@ Every builder reads parallel coordinates from ``params`` (CacheInitParams) and n
 passes ``params`` on unchanged, so the controller, the tree and any storage config derived from
 ``HybridStack.parallel_coords()`` all see the same values.
 
-Storage (L3): the sidecar stacks attach ``config.storage_backend`` (every sidecar moves with its
-anchor page) and use ``config.prefetch_policy``; the KV + Mamba stack refuses a storage backend.
+Storage (L3): every stack attaches ``config.storage_backend`` and uses ``config.prefetch_policy``:
+sidecars move with their anchor page; the KV + Mamba stack stores each backed-up node's Mamba
+state beside its last page (see ``hi_mamba_storage.py``).
 
 Host sizing: ``hicache_size_gb`` buys anchor slots at the bytes of an anchor slot plus its
 sidecars'; for KV + Mamba the budget is split in proportion to the device pools' bytes. Without
@@ -120,9 +121,6 @@ def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig 
 def build_kv_mamba_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """Attention KV anchor + Mamba states (own slots, one per cached state) -> HiMambaRadixCache."""
     config = config or HiCacheConfig()
-    if config.storage_backend is not None:
-        raise ValueError(f"storage_backend {config.storage_backend!r}: the KV + Mamba stack has no L3 support yet; "
-                         "use storage_backend=None")
     anchor = _anchor_device(params, (PoolKind.MHA, PoolKind.MLA, PoolKind.ASYMMETRIC_MHA))
     if getattr(mamba_pool, "kind", None) is not PoolKind.MAMBA:
         raise TypeError(f"expected a MambaPool, got {type(mamba_pool).__name__}")
@@ -136,6 +134,6 @@ def build_kv_mamba_stack(params: CacheInitParams, mamba_pool, config: HiCacheCon
         kv_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, config.hicache_ratio, layout=config.mem_layout, io_backend=io)
         mamba_host = MambaPoolHost(mamba_pool, config.hicache_ratio, io_backend=io)
     group = HostPoolGroup(PoolEntry(PoolName.KV, kv_host, anchor), [PoolEntry(PoolName.MAMBA, mamba_host, mamba_pool)])
-    controller = HybridCacheController(params, group, config.write_policy, io)
-    tree = HiMambaRadixCache(params, controller, config.load_back_threshold)
+    controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
+    tree = HiMambaRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
     return HybridStack(params, group, controller, tree)
