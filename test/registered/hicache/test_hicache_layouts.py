@@ -10,7 +10,6 @@ import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
 
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
 register_cpu_ci(est_time=120, suite="nightly-cpu")
@@ -18,11 +17,6 @@ register_cpu_ci(est_time=120, suite="nightly-cpu")
 COMMON = ["--page-size", "4", "--context-length", "2048"]
 SMALL_DEVICE = ["--max-total-tokens", "512", "--enable-hierarchical-cache", "--hicache-ratio", "8"]
 WORKLOAD = {"clients": 6, "rounds": 3}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
 
 
 @pytest.fixture(scope="module")

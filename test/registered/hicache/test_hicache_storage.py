@@ -12,7 +12,6 @@ import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals
 
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process, run_launcher
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
@@ -46,11 +45,6 @@ def wait_backed_up(server, timeout: float = 30) -> int:
         last = written
         time.sleep(0.1)
     raise AssertionError(f"storage writes did not settle (last {last})")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,9 @@ from hicache_workload import assert_same_tokens, run_workload, tier_totals
 from test_hicache_storage import COMMON, WORKLOAD, launch_storage_server, storage_flags, wait_backed_up
 
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
 register_cpu_ci(est_time=45, suite="nightly-cpu")
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -33,35 +33,39 @@ def cache_init_params(args, runner) -> CacheInitParams:
     )
 
 
-def hicache_config(args) -> HiCacheConfig:
-    return HiCacheConfig(
-        write_policy=args.hicache_write_policy,
-        hicache_ratio=args.hicache_ratio,
-        hicache_size_gb=args.hicache_size,
-        mem_layout=args.hicache_mem_layout,
-        io_backend=args.resolved_io_backend,
+def _storage_flags_error(args, exc: ValueError) -> ValueError:
+    return ValueError(
+        f"--hicache-storage-backend {args.hicache_storage_backend} / --hicache-storage-backend-extra-config: {exc}"
     )
 
 
-def _storage_kwargs(args) -> dict:
-    if args.hicache_storage_backend is None:
-        return {}
-    return {
-        "storage_backend": args.hicache_storage_backend,
-        "storage_backend_extra_config": dict(args.storage_extra_config),
-        "model_name": args.model_name,
-    }
+def hicache_config(args) -> HiCacheConfig:
+    """The --hicache-* flags as a HiCacheConfig; a bad storage option names the flags."""
+    storage = args.hicache_storage_backend is not None
+    try:
+        return HiCacheConfig(
+            write_policy=args.hicache_write_policy,
+            hicache_ratio=args.hicache_ratio,
+            hicache_size_gb=args.hicache_size,
+            mem_layout=args.hicache_mem_layout,
+            io_backend=args.resolved_io_backend,
+            storage_backend=args.hicache_storage_backend,
+            storage_backend_extra_config=dict(args.storage_extra_config) if storage else None,
+            prefetch_policy=args.hicache_storage_prefetch_policy,
+            model_name=args.model_name if storage else None,
+        )
+    except ValueError as exc:
+        raise _storage_flags_error(args, exc) if storage else exc from None
 
 
-def _controller(args, params, host_pool, cfg) -> HiCacheController:
+def _controller(args, params, host_pool, cfg: HiCacheConfig) -> HiCacheController:
     """The controller, with its L3 backend when asked; a bad backend option names the flags."""
     try:
-        return HiCacheController(params, host_pool, cfg.write_policy, cfg.io_backend, **_storage_kwargs(args))
+        return HiCacheController(params, host_pool, cfg.write_policy, cfg.io_backend, **cfg.storage_kwargs)
     except ValueError as exc:
-        if args.hicache_storage_backend is None:
+        if cfg.storage_backend is None:
             raise
-        raise ValueError(f"--hicache-storage-backend {args.hicache_storage_backend} / "
-                         f"--hicache-storage-backend-extra-config: {exc}") from None
+        raise _storage_flags_error(args, exc) from None
 
 
 def build_tree_cache(args, runner) -> RadixCache:
@@ -80,8 +84,7 @@ def build_tree_cache(args, runner) -> RadixCache:
         io_backend=cfg.io_backend,
     )
     controller = _controller(args, params, host_pool, cfg)
-    tree = HiRadixCache(params, controller, cfg.load_back_threshold,
-                        prefetch_stop_policy=args.hicache_storage_prefetch_policy)
+    tree = HiRadixCache(params, controller, cfg.load_back_threshold, prefetch_stop_policy=cfg.prefetch_policy)
     logger.info(
         "prefix cache: HiRadixCache, host pool %d tokens (%s, %s), write policy %s, storage %s",
         host_pool.size, cfg.mem_layout.value, cfg.io_backend.value, cfg.write_policy.value,

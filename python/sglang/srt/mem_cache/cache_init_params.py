@@ -27,6 +27,16 @@ class ParallelCoords:
     attn_cp_size: int
 
 
+def check_parallel_coords(obj) -> None:
+    """Raise ValueError unless ``obj``'s tp/pp/attn_cp ranks lie in [0, size) with size >= 1."""
+    for name in ("tp", "pp", "attn_cp"):
+        rank, size = getattr(obj, f"{name}_rank"), getattr(obj, f"{name}_size")
+        if size < 1:
+            raise ValueError(f"{name}_size must be >= 1, got {size}")
+        if not 0 <= rank < size:
+            raise ValueError(f"{name}_rank must be in [0, {name}_size={size}), got {rank}")
+
+
 @dataclass
 class CacheInitParams:
     """Everything a radix cache and its controllers need to be built.
@@ -53,16 +63,8 @@ class CacheInitParams:
     def __post_init__(self):
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                f"eviction_policy {self.eviction_policy!r} is not supported; allowed: {', '.join(EVICTION_POLICIES)}"
-            )
-        for name in ("tp", "pp", "attn_cp"):
-            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
-            if size < 1:
-                raise ValueError(f"{name}_size must be >= 1, got {size}")
-            if not 0 <= rank < size:
-                raise ValueError(f"{name}_rank must be in [0, {name}_size={size}), got {rank}")
+        EvictionPolicy.parse(self.eviction_policy)
+        check_parallel_coords(self)
         group = self.tp_cache_group
         if group is not None:
             import torch.distributed as dist

@@ -7,24 +7,16 @@ TP ranks rely on to evict the same nodes without talking.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Callable
 
+from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.mem_cache.tree_node import TreeNode
 
 
-class EvictionPolicy(str, Enum):
+class EvictionPolicy(ChoiceEnum):
     LRU = "lru"
     LFU = "lfu"
 
-    @classmethod
-    def parse(cls, value: "str | EvictionPolicy") -> "EvictionPolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"unknown eviction policy {value!r}; allowed: {', '.join(m.value for m in cls)}"
-            ) from None
 
 
 def _lru(node: TreeNode) -> tuple:

@@ -10,13 +10,13 @@ listed in ``storage_settings.py``, the rest goes to the backend), ``prefetch_pol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
 from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
 
 
-class WritePolicy(str, Enum):
+class WritePolicy(ChoiceEnum):
     """When a device node gets a host copy.
 
     ``write_through``: on its first insert. ``write_through_selective``: on its second insert
@@ -27,20 +27,13 @@ class WritePolicy(str, Enum):
     WRITE_THROUGH_SELECTIVE = "write_through_selective"
     WRITE_BACK = "write_back"
 
-    @classmethod
-    def parse(cls, value: "str | WritePolicy") -> "WritePolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown write policy {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
-
     @property
     def backup_threshold(self) -> int | None:
         """Inserts through a node after which it is backed up; None: only on eviction."""
         return _THRESHOLD[self]
 
 
-class PrefetchPolicy(str, Enum):
+class PrefetchPolicy(ChoiceEnum):
     """When a waiting request stops waiting for its L3 prefetch.
 
     ``best_effort``: at the first ``check_prefetch_progress``, with what has arrived.
@@ -56,13 +49,8 @@ class PrefetchPolicy(str, Enum):
     TIMEOUT = "timeout"
 
     @classmethod
-    def parse(cls, value: "str | PrefetchPolicy") -> "PrefetchPolicy":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(
-                f"prefetch_policy {value!r} is not allowed; allowed: {', '.join(m.value for m in cls)}"
-            ) from None
+    def label(cls) -> str:
+        return "prefetch_policy"
 
 
 DEFAULT_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT

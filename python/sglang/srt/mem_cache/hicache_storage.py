@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from sglang.srt.mem_cache.cache_init_params import check_parallel_coords
 from sglang.srt.mem_cache.pool_host.group import PoolName
 
 __all__ = [
@@ -143,10 +144,7 @@ class HiCacheStorageConfig:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("tp", "pp", "attn_cp"):
-            rank, size = getattr(self, f"{name}_rank"), getattr(self, f"{name}_size")
-            if size < 1 or not 0 <= rank < size:
-                raise ValueError(f"{name}_rank={rank} / {name}_size={size}: need size >= 1 and 0 <= rank < size")
+        check_parallel_coords(self)
         if not isinstance(self.extra_config, dict):
             raise ValueError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
         if not isinstance(self.namespace_salt, str):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from enum import Enum
 
 import torch
 
+from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.model_executor.model_config import ModelConfig
 from sglang.srt.model_executor.weight_utils import (
     dummy_weights_iterator,
@@ -20,17 +20,14 @@ from sglang.srt.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 
-class LoadFormat(str, Enum):
+class LoadFormat(ChoiceEnum):
     AUTO = "auto"  # safetensors, the only on-disk format supported
     SAFETENSORS = "safetensors"
     DUMMY = "dummy"  # deterministic random weights from a seed; needs only config.json
 
     @classmethod
-    def parse(cls, value: "str | LoadFormat") -> "LoadFormat":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown load_format {value!r}; supported: {[f.value for f in cls]}") from None
+    def label(cls) -> str:
+        return "load_format"
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ register_cpu_ci(est_time=4, suite="per-commit-cpu")
         (dict(storage_backend="file", model_name="m", storage_backend_extra_config={"prefetch_timeout_max": 0}),
          "key 'prefetch_timeout_max' must be > 0.0"),
         (dict(prefetch_policy="sometimes"),
-         "prefetch_policy 'sometimes' is not allowed; allowed: best_effort, wait_complete, timeout"),
+         "unknown prefetch_policy 'sometimes'; allowed: best_effort, wait_complete, timeout"),
     ],
 )
 def test_hicache_config_refuses_bad_storage_settings(kwargs, message):

@@ -175,9 +175,15 @@ class TransferConfig:
     ``nixl_progress_thread``: NIXL's own progress thread busy-spins one core per agent (its delay
     is 0 in the Python binding), so by default transfers progress when the scheduler polls
     (prefill: handle checks; decode: notification drains) and on every heartbeat tick.
-    ``staging_bytes``: registered DRAM through which heterogeneous-TP head slices travel as
-    whole pages (see ``common/staging.py``); 0 disables it, and a request that does not fit
-    falls back to per-token descriptors.
+    ``staging_bytes``: registered DRAM through which KV travels in long runs instead of one
+    descriptor per page or per token (see ``common/staging.py``); 0 disables it, and a request
+    that does not fit falls back to direct descriptors.
+    ``descriptor_cost_bytes``: the bytes a local copy moves in the time one NIXL descriptor costs
+    (UCX/CMA here: ~3.7 us x ~13 GB/s). A route that adds k local copies of B bytes is taken
+    instead of one that needs n more descriptors when n x descriptor_cost_bytes > k x B; 0 keeps
+    staging for the cases that would otherwise need per-token descriptors.
+    ``pack_chunk_bytes``: staged KV is gathered and written in pieces of at most this many bytes,
+    so decode scatters one piece while the next is on the wire.
     """
 
     host: str = "127.0.0.1"
@@ -188,14 +194,20 @@ class TransferConfig:
     heartbeat_timeout_s: float = 5.0
     nixl_progress_thread: bool = False
     staging_bytes: int = 64 << 20
+    descriptor_cost_bytes: int = 48 << 10
+    pack_chunk_bytes: int = 8 << 20
 
     def __post_init__(self):
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"TransferConfig.{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0:
-            raise ValueError(f"TransferConfig.staging_bytes must be an int >= 0, got {self.staging_bytes!r}")
+        for name in ("staging_bytes", "descriptor_cost_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"TransferConfig.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.pack_chunk_bytes, int) or self.pack_chunk_bytes < 1:
+            raise ValueError(f"TransferConfig.pack_chunk_bytes must be an int >= 1, got {self.pack_chunk_bytes!r}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"TransferConfig.heartbeat_timeout_s {self.heartbeat_timeout_s} must exceed "

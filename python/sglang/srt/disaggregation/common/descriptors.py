@@ -44,6 +44,12 @@ def _pack(src_addr, dst_addr, lengths, device_id: int = 0) -> Descs:
     return Descs(src, dst)
 
 
+def run_descs(src_addrs, dst_addrs, lengths) -> Descs:
+    """One descriptor per (source address, destination address, length) triple."""
+    return _pack(np.asarray(src_addrs, dtype=np.int64), np.asarray(dst_addrs, dtype=np.int64),
+                 np.asarray(lengths, dtype=np.int64))
+
+
 def _col(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1, 1)
 
@@ -59,6 +65,11 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray,
     starts = np.concatenate([[0], np.nonzero(breaks)[0] + 1])
     lengths = np.diff(np.concatenate([starts, [src_pages.size]]))
     return src_pages[starts], dst_pages[starts], lengths
+
+
+def page_run_count(pages: np.ndarray) -> int:
+    """Runs of consecutive page ids: direct descriptors per buffer for these pages, at best."""
+    return int(np.count_nonzero(np.diff(pages) != 1)) + 1 if pages.size else 0
 
 
 def kv_page_descs(src_ptrs, dst_ptrs, item_lens, page_size: int, src_pages: np.ndarray,

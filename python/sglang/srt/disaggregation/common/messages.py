@@ -5,7 +5,10 @@ below and ``decode_message`` checks it, so a malformed message raises ``Malforme
 edge and never reaches the room bookkeeping. Page ids and state slots travel as int64 blobs.
 
 A notification tag names the room, what arrived, and the SENDER'S ENGINE RANK (not its pp rank,
-so several prefill TP ranks with PP=1 never collide): ``b"{room}|{kind}|{engine_rank}|{chunk}|{is_last}"``.
+so several prefill TP ranks with PP=1 never collide):
+``b"{room}|{kind}|{engine_rank}|{chunk}|{is_last}|{first_page}|{num_pages}"``. A KV chunk names the
+pages of the request it carries, ``[first_page, first_page + num_pages)`` (request positions, not
+pool ids), so decode can scatter a staged chunk as soon as it lands.
 """
 
 from __future__ import annotations
@@ -118,18 +121,26 @@ class Notif:
     engine_rank: int
     chunk_id: int = 0
     is_last: bool = False
+    first_page: int = 0  # KV: request positions [first_page, first_page + num_pages) this chunk carries
+    num_pages: int = 0
 
     def encode(self) -> bytes:
-        return f"{self.room}|{self.kind.value}|{self.engine_rank}|{self.chunk_id}|{int(self.is_last)}".encode()
+        return (f"{self.room}|{self.kind.value}|{self.engine_rank}|{self.chunk_id}|{int(self.is_last)}|"
+                f"{self.first_page}|{self.num_pages}").encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> "Notif":
-        """Raise MalformedMessage unless ``raw`` is a tag from ``encode``. ``is_last`` is parsed
-        as the integer 0 or 1 (never ``bool(str)``, which is True for "0")."""
+        """Raise MalformedMessage unless ``raw`` is a tag from ``encode`` (the page range may be
+        left out: 5 fields). ``is_last`` is parsed as the integer 0 or 1 (never ``bool(str)``,
+        which is True for "0")."""
         try:
-            room, kind, rank, chunk, last = raw.decode().split("|")
-            notif = cls(int(room), NotifKind(kind), int(rank), int(chunk), bool(int(last)))
-            if last not in ("0", "1") or notif.engine_rank < 0 or notif.chunk_id < 0:
+            fields = raw.decode().split("|")
+            if len(fields) not in (5, 7):
+                raise ValueError(len(fields))
+            room, kind, rank, chunk, last = fields[:5]
+            first, num = (int(f) for f in fields[5:]) if len(fields) == 7 else (0, 0)
+            notif = cls(int(room), NotifKind(kind), int(rank), int(chunk), bool(int(last)), first, num)
+            if last not in ("0", "1") or min(notif.engine_rank, notif.chunk_id, first, num) < 0:
                 raise ValueError(last)
         except (UnicodeDecodeError, ValueError):
             raise MalformedMessage(f"bad notification tag {raw[:64]!r}") from None

@@ -1,23 +1,24 @@
-"""Staging for heterogeneous TP: turn per-token head slices into whole-page transfers.
+"""Staging: move KV through registered DRAM so the wire carries a few long runs.
 
-A per-token descriptor costs about as much as a page-sized one, so moving n heads per token
-as one descriptor each is slow. Instead the side whose tokens are cut gathers (or scatters)
-locally through a registered DRAM staging area, and the wire carries contiguous runs:
+Every NIXL descriptor costs a fixed few microseconds on UCX/CMA (one ``process_vm_writev``
+each), so scattered pages, and worse per-token head slices, spend more time in descriptors
+than in bytes. Staging copies the bytes a destination needs into one contiguous area locally
+(``gather_slices``), the wire moves that area in one run per buffer, and the receiver copies
+them to their place (``scatter_slices``).
 
-- Tp < Td (destination tokens whole): prefill gathers the heads into staging laid out like
-  the destination pages, then writes page runs.
-- Tp > Td (source tokens whole): prefill writes its pages into the decode's staging; decode
-  scatters them to their head offset once the request is complete.
-
-Staging layout for one request and one sender: buffer-major, then token (request order), then
-the slice bytes: offset of (buffer b, token t) = sum(tokens * slice_bytes[:b]) + t * slice_bytes[b].
-Pools are addressed by raw pointer, so staging works for DRAM pools only.
+Staged layout of T tokens (``SliceLayout``): buffer-major, then token (request order), then
+the slice: (buffer b, token t) sits at ``T * sum(widths[:b]) + t * widths[b]``. A slice is the
+byte range ``[offsets[b], offsets[b] + widths[b])`` of a pool token: the whole token, or the
+heads one side of a heterogeneous-TP pair holds. Pools are addressed by raw pointer, so
+staging works for DRAM pools only.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,13 +26,91 @@ import torch
 ALIGN = 64
 
 
-def byte_view(ptr: int, nbytes: int) -> np.ndarray:
-    """A writable uint8 numpy view of ``nbytes`` of DRAM at ``ptr`` (no copy)."""
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+class PoolBuffers(NamedTuple):
+    """A rank's KV buffers as KVArgs lists them: pointers, byte lengths, bytes per token."""
+
+    ptrs: list[int]
+    lens: list[int]
+    item_lens: list[int]
+
+
+@dataclass(frozen=True)
+class SliceLayout:
+    """The bytes of every token of each buffer a staged transfer carries (see module doc)."""
+
+    offsets: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    @classmethod
+    def of_heads(cls, item_lens, heads_per_token: int, head_offset: int, num_heads: int) -> "SliceLayout":
+        """``num_heads`` heads from local head ``head_offset`` of tokens holding ``heads_per_token``."""
+        head_bytes = [int(i) // heads_per_token for i in item_lens]
+        return cls(tuple(h * head_offset for h in head_bytes), tuple(h * num_heads for h in head_bytes))
+
+    def nbytes(self, num_tokens: int) -> int:
+        return num_tokens * sum(self.widths)
+
+    def bases(self, ptr: int, num_tokens: int) -> np.ndarray:
+        """Start address of each buffer's region in a staged area of ``num_tokens`` at ``ptr``."""
+        return ptr + num_tokens * np.concatenate([[0], np.cumsum(self.widths[:-1], dtype=np.int64)])
+
+
+def byte_view(ptr: int, nbytes: int) -> torch.Tensor:
+    """A writable uint8 tensor over ``nbytes`` of DRAM at ``ptr`` (no copy)."""
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def _word(*sizes: int) -> torch.dtype:
+    """The widest integer dtype dividing every size: fewer, wider elements copy faster."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if all(s % dtype.itemsize == 0 for s in sizes):
+            return dtype
+    return torch.uint8
+
+
+def _views(pool: PoolBuffers, b: int, layout: SliceLayout, page_size: int, num_pages: int, area_ptr: int,
+           area_tokens: int, first_token: int):
+    """(pool rows, area rows, by_page) for buffer b: page rows when the slice is the whole token
+    (one long row per page), else token rows cut to the slice. ``area`` is a staged area."""
+    item, off, width = pool.item_lens[b], layout.offsets[b], layout.widths[b]
+    by_page = off == 0 and width == item
+    word = _word(item, off, width, pool.ptrs[b], area_ptr)
+    slots = (pool.lens[b] // (item * page_size)) * page_size
+    rows = byte_view(pool.ptrs[b], slots * item).view(word)
+    start = area_ptr + area_tokens * sum(layout.widths[:b]) + first_token * width
+    area = byte_view(start, num_pages * page_size * width).view(word)
+    if by_page:
+        return rows.view(-1, page_size * item // word.itemsize), area.view(num_pages, -1), True
+    w0, w1 = off // word.itemsize, (off + width) // word.itemsize
+    return rows.view(slots, -1)[:, w0:w1], area.view(num_pages * page_size, -1), False
+
+
+def _index(pages: np.ndarray, page_size: int, by_page: bool) -> torch.Tensor:
+    idx = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+    return idx if by_page else (idx.view(-1, 1) * page_size + torch.arange(page_size)).view(-1)
+
+
+def gather_slices(pool: PoolBuffers, layout: SliceLayout, page_size: int, pages: np.ndarray, area_ptr: int,
+                  area_tokens: int, first_token: int = 0) -> None:
+    """Copy the slice of every token of ``pages`` (pool page ids) of each buffer into the staged
+    area of ``area_tokens`` tokens at ``area_ptr``, as its tokens ``[first_token, ...)``.
+    Reads the pool; writes only the area."""
+    for b in range(len(pool.ptrs) if pages.size else 0):
+        rows, area, by_page = _views(pool, b, layout, page_size, pages.size, area_ptr, area_tokens, first_token)
+        torch.index_select(rows, 0, _index(pages, page_size, by_page), out=area)
+
+
+def scatter_slices(pool: PoolBuffers, layout: SliceLayout, page_size: int, pages: np.ndarray, area_ptr: int,
+                   area_tokens: int, first_token: int = 0) -> None:
+    """Inverse of ``gather_slices``: write the area's tokens ``[first_token, ...)`` into the slice
+    of every token of ``pages``. Mutates the pool; reads only the area."""
+    for b in range(len(pool.ptrs) if pages.size else 0):
+        rows, area, by_page = _views(pool, b, layout, page_size, pages.size, area_ptr, area_tokens, first_token)
+        rows.index_copy_(0, _index(pages, page_size, by_page), area)
 
 
 class StagingArea:
-    """A DRAM region handed out in aligned byte ranges (first fit). Thread-safe."""
+    """A registered DRAM region handed out in aligned byte ranges (first fit). Thread-safe."""
 
     def __init__(self, nbytes: int):
         if nbytes < 0:
@@ -70,37 +149,3 @@ class StagingArea:
     def free_bytes(self) -> int:
         with self._lock:
             return sum(n for _, n in self._free)
-
-
-def staged_bytes(num_tokens: int, slice_bytes) -> int:
-    return num_tokens * int(sum(slice_bytes))
-
-
-def _token_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
-    return (pages.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1)
-
-
-def gather_heads(ptrs, lens, item_lens, head_bytes, head_offset: int, num_heads: int, page_size: int,
-                 pages: np.ndarray, out: np.ndarray) -> None:
-    """Copy ``num_heads`` heads from ``head_offset`` of every token of ``pages`` of each pool
-    buffer into ``out`` (uint8, staging layout). Reads the pool; writes only ``out``."""
-    slots, pos = torch.from_numpy(_token_slots(pages, page_size)), 0
-    for ptr, length, item, hb in zip(ptrs, lens, item_lens, head_bytes):
-        rows = torch.from_numpy(byte_view(ptr, length - length % item).reshape(-1, item))
-        width = num_heads * hb
-        dst = torch.from_numpy(out[pos:pos + slots.numel() * width]).view(slots.numel(), width)
-        torch.index_select(rows[:, head_offset * hb:head_offset * hb + width], 0, slots, out=dst)  # faster than np.take
-        pos += slots.numel() * width
-
-
-def scatter_heads(ptrs, lens, item_lens, head_bytes, head_offset: int, num_heads: int, page_size: int,
-                  pages: np.ndarray, src: np.ndarray) -> None:
-    """Inverse of ``gather_heads``: write staged slices into the pool buffers at ``head_offset``
-    of every token of ``pages``. Mutates the pool; reads only ``src``."""
-    slots, pos = _token_slots(pages, page_size), 0
-    for ptr, length, item, hb in zip(ptrs, lens, item_lens, head_bytes):
-        rows = byte_view(ptr, length - length % item).reshape(-1, item)
-        width = num_heads * hb
-        # numpy fancy assignment: faster here than torch index_put_ / index_copy_
-        rows[slots, head_offset * hb:head_offset * hb + width] = src[pos:pos + slots.size * width].reshape(-1, width)
-        pos += slots.size * width

@@ -14,9 +14,10 @@ import numpy as np
 from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVPoll
 from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
 from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
-from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, Notif
+from sglang.srt.disaggregation.common.descriptors import page_run_count
+from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, required_dst_info_num
-from sglang.srt.disaggregation.common.staging import scatter_heads, staged_bytes
+from sglang.srt.disaggregation.common.staging import SliceLayout, scatter_slices
 from sglang.srt.disaggregation.nixl.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -129,21 +130,27 @@ class DecodeSideMixin:
                     return
 
     def _reserve_staging(self, room: DecodeRoom, target: DecodeTarget, prefill: PeerInfo) -> int:
-        """Staging offset for a target that sends whole source tokens covering part of each of
-        ours (Tp > Td), recorded in ``room.staged``; -1 when not applicable or staging is full."""
+        """Staging offset for a target whose KV should land in staging first, recorded in
+        ``room.staged``; -1 to receive it straight into the pool (staging off or full, MLA, or
+        long page runs that make direct descriptors cheaper than the copies staging adds)."""
         if self.staging is None or self.args.is_mla:
             return -1
-        hs = head_slice(prefill.total_kv_head_num, prefill.tp_size, target.plan.prefill_rank, self.args.tp_size,
-                        self.args.tp_rank)
-        if hs is None or hs.is_whole_token or hs.num_heads != hs.src_heads:
+        a = self.args
+        hs = head_slice(prefill.total_kv_head_num, prefill.tp_size, target.plan.prefill_rank, a.tp_size, a.tp_rank)
+        if hs is None:
             return -1
-        slice_bytes = [i // hs.dst_heads * hs.num_heads for i in self.args.kv_item_lens]
-        nbytes = staged_bytes(room.page_ids.size * self.args.page_size, slice_bytes)
+        layout = SliceLayout.of_heads(a.kv_item_lens, hs.dst_heads, hs.dst_head_offset, hs.num_heads)
+        nbytes = layout.nbytes(room.page_ids.size * a.page_size)
+        if hs.num_heads == hs.dst_heads:  # our tokens arrive whole: direct is one descriptor per page run
+            copies = 2 if hs.num_heads == hs.src_heads else 1  # (a cut source is gathered either way)
+            direct = page_run_count(room.page_ids) * len(a.kv_data_ptrs)
+            if direct * self.config.descriptor_cost_bytes <= copies * nbytes:
+                return -1
         off = self.staging.alloc(nbytes)
         if off is None:
-            logger.debug("%s: staging full (%d bytes wanted); per-token descriptors", self.agent_name, nbytes)
+            logger.debug("%s: staging full (%d bytes wanted); direct descriptors", self.agent_name, nbytes)
             return -1
-        room.staged.append(StagedSlice(off, nbytes, hs))
+        room.staged.append(StagedSlice(target.engine_rank, off, nbytes, layout))
         return off
 
     def _release_staging(self, room: DecodeRoom) -> None:
@@ -151,15 +158,15 @@ class DecodeSideMixin:
             self.staging.free(st.offset, st.nbytes)
         room.staged = []
 
-    def _scatter_staged(self, room: DecodeRoom) -> None:
-        """Move every staged slice of a complete room into the pool, then free the staging."""
-        a, view = self.args, self.staging.tensor.numpy() if room.staged else None
-        for st in room.staged:
-            hs = st.head_slice
-            scatter_heads(a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens, [i // hs.dst_heads for i in a.kv_item_lens],
-                          hs.dst_head_offset, hs.num_heads, a.page_size, room.page_ids,
-                          view[st.offset:st.offset + st.nbytes])
-        self._release_staging(room)
+    def _scatter_chunk(self, room: DecodeRoom, notif: Notif) -> None:
+        """Move a staged KV chunk (request pages ``[first_page, +num_pages)``) into the pool."""
+        st = next((s for s in room.staged if s.engine_rank == notif.engine_rank), None)
+        if st is None or notif.kind is not NotifKind.KV or not notif.num_pages:
+            return
+        lo, hi = notif.first_page, notif.first_page + notif.num_pages
+        scatter_slices(self.pool, st.layout, self.args.page_size, room.page_ids[lo:hi], self.staging.ptr + st.offset,
+                       room.page_ids.size * self.args.page_size, lo * self.args.page_size)
+        st.scattered_pages += notif.num_pages
 
     def drain_notifs(self) -> None:
         """File every new NIXL notification into its room; bad or unknown ones are logged and dropped."""
@@ -188,10 +195,15 @@ class DecodeSideMixin:
             logger.warning("%s dropped %r from %s: engine rank %d belongs to %s", self.agent_name, raw, agent_name,
                            notif.engine_rank, sender)
             return
+        if notif.first_page + notif.num_pages > room.page_ids.size:
+            logger.warning("%s dropped %r: pages past the request's %d", self.agent_name, raw, room.page_ids.size)
+            return
         try:
             room.status.record(notif)
         except ValueError as exc:
             logger.warning("%s dropped notification: %s", self.agent_name, exc)
+            return
+        self._scatter_chunk(room, notif)
 
     def poll_decode_room(self, room_id: int) -> KVPoll:
         """Drain notifications, then say where the room stands; applies the transfer timeout."""
@@ -211,7 +223,11 @@ class DecodeSideMixin:
             if room.status is None:
                 return KVPoll.WaitingForInput
             if room.status.is_done():
-                self._scatter_staged(room)
+                short = [st.engine_rank for st in room.staged if st.scattered_pages != room.page_ids.size]
+                if short:  # a sender's chunks did not name every page: its staged bytes never landed
+                    self._fail_decode_room(room, f"staged KV from engine ranks {short} did not cover the request")
+                    return KVPoll.Failed
+                self._release_staging(room)
                 return KVPoll.Success
             if now - room.init_at > self.config.transfer_timeout_s:
                 self._fail_decode_room(room, f"transfer not done within {self.config.transfer_timeout_s}s; "

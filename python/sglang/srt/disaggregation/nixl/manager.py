@@ -16,7 +16,6 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from enum import Enum
 
 import numpy as np
 
@@ -31,32 +30,18 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
 from sglang.srt.disaggregation.common.compat import PeerInfo
 from sglang.srt.disaggregation.common.control import ControlChannel
-from sglang.srt.disaggregation.common.descriptors import (
-    Descs,
-    kv_page_descs,
-    kv_token_slice_descs,
-    row_descs,
-    state_descs,
-)
-from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif, NotifKind
-from sglang.srt.disaggregation.common.staging import StagingArea, gather_heads, staged_bytes
+from sglang.srt.disaggregation.common.descriptors import Descs, row_descs, state_descs
+from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif
+from sglang.srt.disaggregation.common.staging import PoolBuffers, StagingArea
 from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
+from sglang.srt.disaggregation.nixl.kv_routes import KVRoute, KVRoutesMixin
 from sglang.srt.disaggregation.nixl.prefill_side import PrefillSideMixin
 from sglang.srt.disaggregation.nixl.status import DecodeRoom, DstInfo, PrefillRoom, Transfer
 
 logger = logging.getLogger(__name__)
 
 
-class KVRoute(str, Enum):
-    """How a chunk's KV travelled (counted in ``NixlKVManager.route_counts``)."""
-
-    PAGES = "pages"  # whole pages, both sides hold the same heads (or MLA)
-    DECODE_STAGING = "decode_staging"  # whole source pages into the decode's staging, scattered there
-    GATHER = "gather"  # heads gathered into local staging, written as whole destination pages
-    TOKEN_SLICE = "token_slice"  # one descriptor per (buffer, token): send_kvcache_slice
-
-
-class NixlKVManager(PrefillSideMixin, DecodeSideMixin, BaseKVManager):
+class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVManager):
     """Construct one per rank. Prefill needs ``config.bootstrap_addr``; it blocks until the
     bootstrap server accepted this rank (IncompatiblePeerError when refused, KVTransferError when
     unreachable within ``bootstrap_timeout_s``)."""
@@ -72,6 +57,7 @@ class NixlKVManager(PrefillSideMixin, DecodeSideMixin, BaseKVManager):
         self._lock = threading.RLock()
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(
             enable_prog_thread=config.nixl_progress_thread, backends=["UCX"]))
+        self.pool = PoolBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
         regions = [
@@ -161,70 +147,6 @@ class NixlKVManager(PrefillSideMixin, DecodeSideMixin, BaseKVManager):
     def _free_staging(self, staging: tuple[int, int] | None) -> None:
         if staging is not None:
             self.staging.free(*staging)
-
-    def _kv_notif(self, room: PrefillRoom, dst: DstInfo, is_last: bool) -> Notif:
-        """The next KV chunk tag for ``dst`` (chunk ids count per destination)."""
-        notif = Notif(room.room, NotifKind.KV, self.args.engine_rank, dst.next_chunk, is_last)
-        dst.next_chunk += 1
-        return notif
-
-    def send_kvcache(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
-                     dst_pages: np.ndarray, first_page: int, is_last: bool) -> None:
-        """Post the KV of one chunk: ``src_pages`` (this rank's page ids) to ``dst_pages`` (the
-        decode's), pages [first_page, first_page + n) of the request; appends every posted
-        Transfer to ``room.handles`` at once. Route: whole pages; whole pages into the decode's
-        staging; local gathers then whole pages; else per-token head slices."""
-        hs, page_size = dst.head_slice, self.args.page_size
-        if hs is None or src_pages.size == 0:
-            self.route_counts[KVRoute.PAGES] += 1
-            descs = kv_page_descs(self.args.kv_data_ptrs, peer["kv_ptrs"], self.args.kv_item_lens, page_size,
-                                  src_pages, dst_pages)
-            return self._track(room, self._post(dst.agent_name, descs, self._kv_notif(room, dst, is_last)))
-        if dst.staging_offset >= 0:
-            self.route_counts[KVRoute.DECODE_STAGING] += 1
-            items = np.asarray(self.args.kv_item_lens, dtype=np.int64)
-            tokens = dst.page_ids.size * page_size
-            bases = peer["staging_ptr"] + dst.staging_offset + np.concatenate([[0], np.cumsum(tokens * items)[:-1]])
-            descs = kv_page_descs(self.args.kv_data_ptrs, bases, items, page_size, src_pages,
-                                  np.arange(first_page, first_page + src_pages.size))
-            return self._track(room, self._post(dst.agent_name, descs, self._kv_notif(room, dst, is_last)))
-        if hs.num_heads == hs.dst_heads and self.staging is not None:
-            return self._send_gathered(room, dst, peer, src_pages, dst_pages, is_last)
-        self.route_counts[KVRoute.TOKEN_SLICE] += 1
-        self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, self._kv_notif(room, dst, is_last)))
-
-    def _send_gathered(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
-                       dst_pages: np.ndarray, is_last: bool) -> None:
-        """Gather the heads into local staging laid out as the destination pages, then write page
-        runs; per-token slices when staging has no room. (Splitting a chunk into several
-        outstanding WRITEs to overlap gather and copy measured far slower on UCX/CMA.)"""
-        hs, page_size = dst.head_slice, self.args.page_size
-        dst_items = np.asarray(peer["peer"]["kv_item_lens"], dtype=np.int64)
-        notif = self._kv_notif(room, dst, is_last)
-        tokens = src_pages.size * page_size
-        nbytes = staged_bytes(tokens, dst_items)
-        off = self.staging.alloc(nbytes)
-        if off is None:
-            logger.debug("%s: staging full (%d bytes wanted); per-token descriptors", self.agent_name, nbytes)
-            self.route_counts[KVRoute.TOKEN_SLICE] += 1
-            return self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, notif))
-        self.route_counts[KVRoute.GATHER] += 1
-        head_bytes = [i // hs.src_heads for i in self.args.kv_item_lens]
-        gather_heads(self.args.kv_data_ptrs, self.args.kv_data_lens, self.args.kv_item_lens, head_bytes,
-                     hs.src_head_offset, hs.num_heads, page_size, src_pages,
-                     self.staging.tensor.numpy()[off:off + nbytes])
-        bases = self.staging.ptr + off + np.concatenate([[0], np.cumsum(tokens * dst_items)[:-1]])
-        descs = kv_page_descs(bases, peer["kv_ptrs"], dst_items, page_size, np.arange(src_pages.size), dst_pages)
-        self._track(room, self._post(dst.agent_name, descs, notif, staging=(off, nbytes)))
-
-    def send_kvcache_slice(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, dst_pages: np.ndarray,
-                           notif: Notif):
-        """Per token, the heads ``dst.head_slice`` names (heterogeneous TP, MHA/GQA)."""
-        descs = kv_token_slice_descs(
-            self.args.kv_data_ptrs, self.args.kv_item_lens, peer["kv_ptrs"], peer["peer"]["kv_item_lens"],
-            self.args.page_size, src_pages, dst_pages, dst.head_slice,
-        )
-        return self._post(dst.agent_name, descs, notif)
 
     def send_state(self, dst: DstInfo, peer: dict, src_slots: np.ndarray, notif: Notif):
         """Mamba state of the request slots, sliced along the TP-sharded dim when Tp != Td."""

@@ -15,6 +15,7 @@ from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVPoll, K
 from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, required_dst_info_num, state_slice
+from sglang.srt.disaggregation.common.staging import SliceLayout
 from sglang.srt.disaggregation.nixl.status import DstInfo, PrefillRoom
 
 logger = logging.getLogger(__name__)
@@ -91,18 +92,22 @@ class PrefillSideMixin:
                 raise ValueError(f"asks prefill tp_rank {self.args.tp_rank} for KV it holds none of "
                                  f"(decode tp_rank {tp_rank})")
             hs = None if hs.is_whole_token else hs
+        layout = None
+        if h["send_kv"]:
+            layout = (SliceLayout((0,) * len(self.args.kv_item_lens), tuple(self.args.kv_item_lens)) if hs is None
+                      else SliceLayout.of_heads(self.args.kv_item_lens, hs.src_heads, hs.src_head_offset, hs.num_heads))
         staging_offset = h["staging_offset"]
         if staging_offset >= 0:
-            need = page_ids.size * p["page_size"] * sum(self.args.kv_item_lens)
-            if hs is None or hs.num_heads != hs.src_heads or staging_offset + need > peer["staging_len"]:
+            need = layout.nbytes(page_ids.size * p["page_size"]) if layout else 0
+            if layout is None or self.args.is_mla or staging_offset + need > peer["staging_len"]:
                 raise ValueError(f"staging_offset {staging_offset} (+{need} bytes) unusable: staging holds "
-                                 f"{peer['staging_len']} bytes, head slice {hs}")
+                                 f"{peer['staging_len']} bytes, KV {'sent' if layout else 'not sent'}")
         state_slices = []
         if h["send_state"]:
             state_slices = [state_slice(sp, sd, tp, self.args.tp_rank, td, tp_rank)
                             for sp, sd in zip(self.args.state_dim_per_tensor, p["state_dims"])]
         return DstInfo(h["agent_name"], h["engine_rank"], tp_rank, page_ids, slots, h["aux_index"], h["send_kv"],
-                       h["send_state"], h["send_aux"], hs, state_slices, staging_offset)
+                       h["send_state"], h["send_aux"], hs, state_slices, staging_offset, layout)
 
     def _handle_request(self, msg: Message) -> None:
         name, room_id = msg.header["agent_name"], msg.header["room"]

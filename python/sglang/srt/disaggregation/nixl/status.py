@@ -16,6 +16,7 @@ import numpy as np
 
 from sglang.srt.disaggregation.common.messages import Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import HeadSlice, PairPlan, StateSlice
+from sglang.srt.disaggregation.common.staging import SliceLayout
 
 
 class TransferStatus:
@@ -88,7 +89,8 @@ class DstInfo:
     send_aux: bool
     head_slice: HeadSlice | None  # None: whole pages (MLA or same heads on both sides)
     state_slices: list[StateSlice | None]
-    staging_offset: int = -1  # >= 0: write whole source pages into the decode's staging area there
+    staging_offset: int = -1  # >= 0: write the KV in staged layout into the decode's staging area there
+    layout: SliceLayout | None = None  # bytes of each source token this destination receives
     next_chunk: int = 0  # KV chunk ids count per destination (a send may post several chunks)
 
 
@@ -132,11 +134,15 @@ class DecodeTarget:
 
 @dataclass
 class StagedSlice:
-    """Decode staging range one prefill rank writes whole pages into; scattered on completion."""
+    """Decode staging range one prefill rank (``engine_rank``) writes the room's KV into, in
+    staged layout; each KV chunk is scattered into the pool (``layout`` of the decode's tokens)
+    as its notification arrives. ``scattered_pages`` counts the request pages done."""
 
+    engine_rank: int
     offset: int
     nbytes: int
-    head_slice: HeadSlice
+    layout: SliceLayout
+    scattered_pages: int = 0
 
 
 @dataclass

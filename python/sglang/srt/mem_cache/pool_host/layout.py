@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
+
+from sglang.srt.choice_enum import ChoiceEnum
 
 
-class HostLayout(str, Enum):
+class HostLayout(ChoiceEnum):
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
     PAGE_FIRST_DIRECT = "page_first_direct"
     PAGE_HEAD = "page_head"
-
-    @classmethod
-    def parse(cls, value: "str | HostLayout") -> "HostLayout":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown host layout {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
 
     @property
     def page_contiguous(self) -> bool:
@@ -59,16 +53,13 @@ _PAGE_FORMAT = {
 }
 
 
-class IOBackend(str, Enum):
+class IOBackend(ChoiceEnum):
     KERNEL = "kernel"
     DIRECT = "direct"
 
     @classmethod
-    def parse(cls, value: "str | IOBackend") -> "IOBackend":
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown io_backend {value!r}; allowed: {', '.join(m.value for m in cls)}") from None
+    def label(cls) -> str:
+        return "io_backend"
 
 
 @dataclass(frozen=True)
