@@ -1,15 +1,22 @@
-"""PD KV transfer throughput between two processes, beside a raw NIXL transfer of the same bytes.
+"""PD KV transfer throughput, one process per rank, beside raw NIXL transfers of the same bytes.
 
-This process plays prefill (all prefill TP ranks, one NixlKVManager each) and spawns one decode
-process (all decode TP ranks). For each (prefill_tp, decode_tp, kv_heads) case it moves the KV
-of a ``--tokens`` prompt from scattered source pages to scattered destination pages, ``--iters``
-times after one warm-up, timing from the first ``send`` until the decode process reports every
-receiver Success (all notifications in, staged slices scattered). In the same run, a raw NIXL
-WRITE of the same byte count in ONE descriptor between the same two processes, timed until the
-decode process has seen its notification, gives the baseline. Prints GB/s and ratios;
-``--json FILE`` writes one record per case.
+Every prefill and decode TP rank runs in its own spawned process (as in a real deployment) with
+its own pools, NixlKVManager and a raw NIXL agent; this process only coordinates and hosts the
+bootstrap server. Per (prefill_tp, decode_tp, kv_heads) case and iteration (one warm-up first):
 
-    python scripts/bench/bench_pd_transfer.py [--tokens 4096] [--layers 8] [--json out.json]
+- ``pd``: every prefill rank sends the KV of a ``--tokens`` prompt from scattered source pages to
+  scattered destination pages; timed from the first prefill rank's ``send`` until the last decode
+  rank reports Success (all notifications in, staged bytes scattered), on one clock.
+- ``raw`` (the baseline): every (prefill rank, decode rank) pair that exchanges KV moves the same
+  byte count as ONE descriptor between the same processes, all pairs at once, timed the same way.
+- ``single``: all the case's bytes as one descriptor between one prefill and one decode process
+  (the figure a single-descriptor copy reaches with one sending core).
+
+The three run interleaved, iteration by iteration, so load changes hit them alike. Decode ranks
+poll every millisecond in all three; prefill ranks poll flat out. Prints GB/s and ratios;
+``--json FILE`` writes one record per case (``ratio`` = pd / raw; ``ratio_single`` = pd / single).
+
+    python scripts/bench/bench_pd_transfer.py [--tokens 4096] [--layers 8] [--iters 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +37,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sglang.srt.disaggregation.base import DisaggregationMode, KVArgs, KVPoll, TransferConfig  # noqa: E402
+from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 DEFAULT_CASES = "1x1x8,2x2x8,4x4x8,2x1x8,1x2x8,4x2x8,4x2x2"  # prefill_tp x decode_tp x kv_heads
-HEAD_DIM = 128
+HEAD_DIM, ELEM = 128, 2  # bf16
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def pair_bytes(args, tp: int, td: int, heads: int) -> dict[tuple[int, int], int]:
+    """KV bytes prefill rank p sends decode rank d, for every pair that exchanges KV."""
+    out = {}
+    for d in range(td):
+        for plan in plan_decode_rank(heads, tp, td, d, is_mla=False, has_state=False):
+            if plan.send_kv:
+                hs = head_slice(heads, tp, plan.prefill_rank, td, d)
+                out[(plan.prefill_rank, d)] = args.tokens * args.layers * 2 * hs.num_heads * HEAD_DIM * ELEM
+    return out
 
 
 def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | None):
@@ -45,10 +67,12 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
             buf.view(torch.int16).random_(-30000, 30000)
         else:
             buf.view(torch.int16).fill_(1)
-    kv_args = KVArgs.from_pools(pool, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size,
-                                total_kv_head_num=heads)
+    kv_args = KVArgs.from_pools(pool, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size, total_kv_head_num=heads)
+    extra = {} if args.descriptor_cost_kib is None else {"descriptor_cost_bytes": args.descriptor_cost_kib << 10}
+    if args.pack_chunk_mib:
+        extra["pack_chunk_bytes"] = args.pack_chunk_mib << 20
     cfg = TransferConfig(bootstrap_addr=addr, transfer_timeout_s=600, bootstrap_timeout_s=120,
-                         staging_bytes=args.staging_mib << 20)
+                         staging_bytes=args.staging_mib << 20, **extra)
     return NixlKVManager(kv_args, mode, cfg), pool
 
 
@@ -56,122 +80,201 @@ def scattered_pages(pool, n: int, seed: int) -> list[int]:
     return (np.random.default_rng(seed).permutation(pool.size // pool.page_size) + 1)[:n].tolist()
 
 
-def poll_all(objs, nap_s: float = 0.0, deadline_s: float = 600) -> list[KVPoll]:
-    """Poll until every object is terminal. Prefill polls flat out (polling drives its WRITEs);
-    decode naps so that it does not take a core from the sender."""
+def poll_until(objs, states, nap_s: float, deadline_s: float = 600) -> list[KVPoll]:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        states = [o.poll() for o in objs]
-        if all(s in (KVPoll.Success, KVPoll.Failed) for s in states):
-            return states
+        got = [o.poll() for o in objs]
+        if all(s in states or s is KVPoll.Failed for s in got):
+            return got
         if nap_s:
             time.sleep(nap_s)
-    raise TimeoutError("transfer did not finish")
+    raise TimeoutError(f"not all reached {states}")
 
 
-def decode_main(conn, args) -> None:
-    """Decode process: serves commands from the prefill process over ``conn``."""
-    from nixl._api import nixl_agent, nixl_agent_config
+class Worker:
+    """One rank's process: a raw NIXL agent for the baselines and, per case, a PD rank."""
 
-    from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+    def __init__(self, conn, role: str, rank: int, args):
+        from nixl._api import nixl_agent, nixl_agent_config
 
-    raw = nixl_agent("bench-raw-decode", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    raw_buf = torch.ones(conn.recv(), dtype=torch.uint8)  # touched, like the pools
-    raw.register_memory(raw_buf)
-    conn.send((raw.get_agent_metadata(), raw_buf.data_ptr()))
-    ranks = []
-    while True:
-        cmd, *rest = conn.recv()
-        if cmd == "case":
-            tp, heads, addr = rest
-            ranks = [make_rank(args, DisaggregationMode.DECODE, tp, r, heads, None) for r in range(tp)]
-            conn.send(sum(args.tokens * sum(m.args.kv_item_lens) for m, _ in ranks))
-        elif cmd == "room":
-            room, addr = rest
-            recvs = [NixlKVReceiver(m, addr, room) for m, _ in ranks]
-            poll_all_until(recvs, KVPoll.WaitingForInput)
-            for r, (_, pool) in zip(recvs, ranks):
-                r.init(scattered_pages(pool, args.tokens // args.page_size, room + 1))
-            conn.send("ready")
-            conn.send(("done", [int(s) for s in poll_all(recvs, nap_s=0.001)]))
-        elif cmd == "end_case":
-            for m, _ in ranks:
-                m.close()
-            ranks = []
-            conn.send("closed")
-        elif cmd == "raw_wait":
-            while not raw.check_remote_xfer_done(rest[0], rest[1].encode()):
-                time.sleep(0.001)  # same nap as the PD receivers
-            conn.send("raw_done")
-        else:
-            return
+        self.conn, self.role, self.rank, self.args = conn, role, rank, args
+        torch.set_num_threads(args.torch_threads)  # rank processes share the cores, as a deployment sizes them
+        self.raw = nixl_agent(f"raw-{role}-{rank}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.buf = torch.ones(args.max_bytes, dtype=torch.uint8)  # touched, like the pools
+        if role == "prefill":
+            self.buf.random_(0, 255)
+        self.raw.register_memory(self.buf)
+        self.mgr = self.pool = None
+
+    def serve(self) -> None:
+        self.conn.send((self.raw.get_agent_metadata(), self.buf.data_ptr()))
+        while True:
+            cmd, *rest = self.conn.recv()
+            if cmd == "quit":
+                if self.mgr is not None:
+                    self.mgr.close()
+                return
+            self.conn.send(getattr(self, cmd)(*rest))
+
+    def peers(self, metas: list[bytes]) -> None:
+        for meta in metas:
+            self.raw.add_remote_agent(meta)
+
+    def case(self, tp: int, heads: int, addr: str):
+        mode = DisaggregationMode(self.role)
+        self.mgr, self.pool = make_rank(self.args, mode, tp, self.rank, heads,
+                                        addr if mode is DisaggregationMode.PREFILL else None)
+        return "ok"
+
+    def end_case(self):
+        routes = {r.value: n for r, n in self.mgr.route_counts.items()}
+        self.mgr.close()
+        self.mgr = self.pool = None
+        return routes
+
+    def pd(self, room: int, addr: str):
+        """Decode: receive the room (poll every ms) -> t_done. Prefill: wait for go -> t_start."""
+        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver, NixlKVSender
+
+        n_pages = self.args.tokens // self.args.page_size
+        if self.role == "decode":
+            recv = NixlKVReceiver(self.mgr, addr, room)
+            poll_until([recv], (KVPoll.WaitingForInput,), 0.001)
+            recv.init(scattered_pages(self.pool, n_pages, room * 10 + self.rank + 1))
+            self.conn.send("ready")
+            state = poll_until([recv], TERMINAL, 0.001)[0]
+            return int(state), time.monotonic()
+        sender = NixlKVSender(self.mgr, addr, room)
+        sender.init(n_pages)
+        poll_until([sender], (KVPoll.WaitingForInput,), 0.001)
+        self.conn.send("ready")
+        assert self.conn.recv() == ("go",)
+        t0 = time.monotonic()
+        sender.send(scattered_pages(self.pool, n_pages, room * 10 + self.rank))
+        state = poll_until([sender], TERMINAL, 0.0)[0]
+        return int(state), t0
+
+    def raw_xfer(self, tag: str, writes: list[tuple[str, int, int, int]], expect: int):
+        """Prefill: on go, post one WRITE per (remote, src_off, dst_ptr, nbytes) -> t_start.
+        Decode: wait (polling every ms) for ``expect`` notifications tagged ``tag`` -> t_done."""
+        if self.role == "decode":
+            self.conn.send("ready")
+            got, deadline = 0, time.monotonic() + 600
+            while True:  # same cadence as poll_until: check, then nap only if not done
+                got += sum(m.decode().startswith(tag) for v in self.raw.get_new_notifs().values() for m in v)
+                if got >= expect or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+            return int(KVPoll.Success if got >= expect else KVPoll.Failed), time.monotonic()
+        descs = [(self.raw.get_xfer_descs([(self.buf.data_ptr() + s, n, 0)], "DRAM"),
+                  self.raw.get_xfer_descs([(d, n, 0)], "DRAM"), remote) for remote, s, d, n in writes]
+        self.conn.send("ready")
+        assert self.conn.recv() == ("go",)
+        t0 = time.monotonic()
+        handles = [self.raw.initialize_xfer("WRITE", s, d, remote, tag.encode()) for s, d, remote in descs]
+        states = [self.raw.transfer(h) for h in handles]
+        for i, h in enumerate(handles):
+            while states[i] == "PROC":
+                states[i] = self.raw.check_xfer_state(h)
+            self.raw.release_xfer_handle(h)
+        return int(KVPoll.Success if all(s == "DONE" for s in states) else KVPoll.Failed), t0
 
 
-def poll_all_until(objs, state: KVPoll, deadline_s: float = 120) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not all(o.poll() == state for o in objs):
-        if time.monotonic() > deadline or any(o.poll() == KVPoll.Failed for o in objs):
-            raise RuntimeError(f"not all reached {state.name}: {[o.poll().name for o in objs]}")
-        time.sleep(0.001)
+def worker_main(conn, role: str, rank: int, args) -> None:
+    Worker(conn, role, rank, args).serve()
 
 
-def run_case(conn, args, prefill_tp: int, decode_tp: int, heads: int) -> tuple[int, list[float]]:
-    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVSender
+class Coordinator:
+    def __init__(self, args, max_tp: int, max_td: int):
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs, self.info = {}, [], {}
+        for role, n in (("prefill", max_tp), ("decode", max_td)):
+            for r in range(n):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, args=(theirs, role, r, args), daemon=True)
+                proc.start()
+                self.conns[(role, r)], self.procs = mine, self.procs + [proc]
+        for key, conn in self.conns.items():
+            self.info[key] = conn.recv()  # (raw agent metadata, raw buffer pointer)
+        metas = [meta for (role, _), (meta, _) in self.info.items() if role == "decode"]
+        self.call({k: ("peers", metas) for k in self.conns if k[0] == "prefill"})
+
+    def call(self, cmds: dict) -> dict:
+        for key, cmd in cmds.items():
+            self.conns[key].send(cmd)
+        return {key: self.conns[key].recv() for key in cmds}
+
+    def timed(self, cmds: dict) -> float:
+        """Run a transfer on every worker in ``cmds``: all report ready, prefill gets go; seconds
+        from the first prefill start to the last decode finish."""
+        self.call_ready(cmds)
+        for key in cmds:
+            if key[0] == "prefill":
+                self.conns[key].send(("go",))
+        results = {key: self.conns[key].recv() for key in cmds}
+        if any(state != KVPoll.Success for state, _ in results.values()):
+            raise RuntimeError(f"transfer failed: {results}")
+        return (max(t for (role, _), (_, t) in results.items() if role == "decode")
+                - min(t for (role, _), (_, t) in results.items() if role == "prefill"))
+
+    def call_ready(self, cmds: dict) -> None:
+        for key, cmd in cmds.items():
+            self.conns[key].send(cmd)
+        for key in cmds:
+            assert self.conns[key].recv() == "ready"
+
+    def raw_cmds(self, tag: str, pairs: dict[tuple[int, int], int]) -> dict:
+        """One WRITE per pair; each prefill's sources and each decode's destinations packed."""
+        writes, expect, src_off, dst_off = {}, Counter(), Counter(), Counter()
+        for (p, d), n in sorted(pairs.items()):
+            remote = f"raw-decode-{d}"
+            writes.setdefault(p, []).append((remote, src_off[p], self.info[("decode", d)][1] + dst_off[d], n))
+            src_off[p] += n
+            dst_off[d] += n
+            expect[d] += 1
+        cmds = {("decode", d): ("raw_xfer", tag, [], k) for d, k in expect.items()}
+        cmds.update({("prefill", p): ("raw_xfer", tag, w, 0) for p, w in writes.items()})
+        return cmds
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.send(("quit",))
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
+    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
 
     server = NixlKVBootstrapServer()
-    ranks = [make_rank(args, DisaggregationMode.PREFILL, prefill_tp, r, heads, server.addr) for r in range(prefill_tp)]
-    conn.send(("case", decode_tp, heads, server.addr))
-    nbytes = conn.recv()
-    n_pages = args.tokens // args.page_size
-    times = []
+    load = [os.getloadavg()[0]]
+    pairs = pair_bytes(args, tp, td, heads)
+    total = sum(pairs.values())
+    prefill, decode = [("prefill", r) for r in range(tp)], [("decode", r) for r in range(td)]
+    co.call({k: ("case", tp, heads, server.addr) for k in prefill})
+    co.call({k: ("case", td, heads, server.addr) for k in decode})
+    times = {"pd": [], "raw": [], "single": []}
     for it in range(args.iters + 1):
-        room = 1000 * prefill_tp + 100 * decode_tp + it
-        senders = [NixlKVSender(m, server.addr, room) for m, _ in ranks]
-        for s in senders:
-            s.init(n_pages)
-        conn.send(("room", room, server.addr))
-        assert conn.recv() == "ready"
-        poll_all_until(senders, KVPoll.WaitingForInput)
-        t0 = time.perf_counter()
-        for s, (_, pool) in zip(senders, ranks):
-            s.send(scattered_pages(pool, n_pages, room))
-        states = poll_all(senders)
-        _, dstates = conn.recv()  # decode reports once every receiver is Success (staging scattered)
-        elapsed = time.perf_counter() - t0
-        if any(s != KVPoll.Success for s in states + dstates):
-            raise RuntimeError(f"case {prefill_tp}->{decode_tp} failed: prefill {states}, decode {dstates}")
-        if it:
-            times.append(elapsed)
-    conn.send(("end_case",))
-    conn.recv()
-    for m, _ in ranks:
-        m.close()
+        room = 1000 * tp + 100 * td + 10 * heads + it
+        runs = {"pd": {k: ("pd", room, server.addr) for k in decode + prefill},
+                "raw": co.raw_cmds(f"raw-{room}|", pairs),
+                "single": co.raw_cmds(f"single-{room}|", {(0, 0): total})}
+        for name, cmds in runs.items():
+            elapsed = co.timed(cmds)
+            if it:
+                times[name].append(elapsed)
+    routes = co.call({k: ("end_case",) for k in prefill})
+    co.call({k: ("end_case",) for k in decode})
     server.close()
-    return nbytes, times
-
-
-def raw_times(conn, raw, remote: str, src: torch.Tensor, dst_ptr: int, nbytes: int, iters: int) -> list[float]:
-    """Seconds of a one-descriptor WRITE of ``nbytes`` until the decode process has seen its
-    notification, timed like the PD cases (from posting until decode reports)."""
-    times = []
-    for it in range(iters + 1):
-        tag = f"raw-{nbytes}-{it}"
-        descs_src = raw.get_xfer_descs([(src.data_ptr(), nbytes, 0)], "DRAM")
-        descs_dst = raw.get_xfer_descs([(dst_ptr, nbytes, 0)], "DRAM")
-        conn.send(("raw_wait", raw.name, tag))  # decode starts progressing (and waiting) now
-        t0 = time.perf_counter()
-        handle = raw.initialize_xfer("WRITE", descs_src, descs_dst, remote, tag.encode())
-        state = raw.transfer(handle)
-        while state == "PROC":
-            state = raw.check_xfer_state(handle)
-        assert conn.recv() == "raw_done"
-        elapsed = time.perf_counter() - t0
-        raw.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw transfer ended {state}")
-        if it:
-            times.append(elapsed)
-    return times
+    load.append(os.getloadavg()[0])
+    gbps = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    return {"prefill_tp": tp, "decode_tp": td, "kv_heads": heads, "bytes": total, "gbps": round(gbps["pd"], 3),
+            "baseline_gbps": round(gbps["raw"], 3), "ratio": round(gbps["pd"] / gbps["raw"], 3),
+            "single_gbps": round(gbps["single"], 3), "ratio_single": round(gbps["pd"] / gbps["single"], 3),
+            "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
+            "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load}
 
 
 def main(argv=None) -> int:
@@ -179,55 +282,43 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (tokens)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=3, help="timed iterations per case (after one warm-up)")
+    ap.add_argument("--iters", type=int, default=5, help="timed iterations per case (after one warm-up)")
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of PREFILLTPxDECODETPxKVHEADS")
-    ap.add_argument("--staging-mib", type=int, default=256,
-                    help="TransferConfig.staging_bytes per rank in MiB; 0 = per-token head slices")
+    ap.add_argument("--staging-mib", type=int, default=256, help="TransferConfig.staging_bytes per rank in MiB")
+    ap.add_argument("--descriptor-cost-kib", type=int, default=None,
+                    help="TransferConfig.descriptor_cost_bytes in KiB (default: the dataclass default)")
+    ap.add_argument("--pack-chunk-mib", type=int, default=0,
+                    help="TransferConfig.pack_chunk_bytes in MiB (default: the dataclass default)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch intra-op threads per rank process (default: cores / rank processes, at least 1)")
     ap.add_argument("--json", help="write one JSON record per case to this file")
     args = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     if args.tokens % args.page_size:
         ap.error(f"--tokens {args.tokens} must be a multiple of --page-size {args.page_size}")
-
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=decode_main, args=(child_conn, args), daemon=True)
-    child.start()
-    max_bytes = args.tokens * args.layers * 2 * 8 * HEAD_DIM * 2 * 2  # generous: covers replication
+    args.max_bytes = max(sum(pair_bytes(args, tp, td, h).values()) for tp, td, h in cases)
+    workers = max(c[0] for c in cases) + max(c[1] for c in cases)
+    args.torch_threads = args.torch_threads or max(1, (os.cpu_count() or 1) // workers)
+    co = Coordinator(args, max(c[0] for c in cases), max(c[1] for c in cases))
+    records = []
     try:
-        conn.send(max_bytes)
-        meta, dst_ptr = conn.recv()
-        raw = nixl_agent("bench-raw-prefill", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        src = torch.randint(0, 255, (max_bytes,), dtype=torch.uint8)
-        raw.register_memory(src)
-        remote = raw.add_remote_agent(meta)
-        records = []
-        for prefill_tp, decode_tp, heads in cases:
-            nbytes, times = run_case(conn, args, prefill_tp, decode_tp, heads)
-            base = raw_times(conn, raw, remote, src, dst_ptr, nbytes, args.iters)
-            gbps = nbytes / statistics.median(times) / 1e9
-            base_gbps = nbytes / statistics.median(base) / 1e9
-            rec = {"prefill_tp": prefill_tp, "decode_tp": decode_tp, "kv_heads": heads, "bytes": nbytes,
-                   "gbps": round(gbps, 3), "baseline_gbps": round(base_gbps, 3), "ratio": round(gbps / base_gbps, 3)}
+        for tp, td, heads in cases:
+            rec = run_case(co, args, tp, td, heads)
             records.append(rec)
-            print(f"TP {prefill_tp}->{decode_tp} H={heads}: {nbytes / 2**20:8.1f} MiB  {gbps:7.2f} GB/s  "
-                  f"raw {base_gbps:7.2f} GB/s  ratio {rec['ratio']:.2f}", flush=True)
-        # heterogeneous vs homogeneous with the same prefill deployment (same TP, same heads)
-        homo = {(r["prefill_tp"], r["kv_heads"]): r["gbps"] for r in records if r["prefill_tp"] == r["decode_tp"]}
-        for r in records:
-            ref = homo.get((r["prefill_tp"], r["kv_heads"]))
-            if r["prefill_tp"] != r["decode_tp"] and ref:
-                print(f"heterogeneous TP {r['prefill_tp']}->{r['decode_tp']} H={r['kv_heads']}: "
-                      f"{r['gbps'] / ref:.2f}x of homogeneous TP {r['prefill_tp']}->{r['prefill_tp']}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(records, indent=2))
+            print(f"TP {tp}->{td} H={heads}: {rec['bytes'] / 2**20:6.1f} MiB  pd {rec['gbps']:5.2f} GB/s  "
+                  f"raw {rec['baseline_gbps']:5.2f}  ratio {rec['ratio']:.2f}  single {rec['single_gbps']:5.2f}  "
+                  f"ratio_single {rec['ratio_single']:.2f}  routes {rec['routes']}  load {rec['load']}", flush=True)
     finally:
-        conn.send(("quit",))
-        child.join(10)
-        if child.is_alive():
-            child.kill()
+        co.close()
+    homo = {(r["prefill_tp"], r["kv_heads"]): r["gbps"] for r in records if r["prefill_tp"] == r["decode_tp"]}
+    for r in records:  # heterogeneous vs homogeneous with the same prefill deployment (same TP, same heads)
+        ref = homo.get((r["prefill_tp"], r["kv_heads"]))
+        if r["prefill_tp"] != r["decode_tp"] and ref:
+            r["vs_homogeneous"] = round(r["gbps"] / ref, 3)
+            print(f"heterogeneous TP {r['prefill_tp']}->{r['decode_tp']} H={r['kv_heads']}: "
+                  f"{r['vs_homogeneous']:.2f}x of homogeneous TP {r['prefill_tp']}->{r['prefill_tp']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=2))
     return 0
 
 

@@ -147,9 +147,17 @@ def test_notif_round_trip_and_is_last_parsed_as_int_pitfall_12():
     assert Notif.parse(n.encode()) == n
     assert Notif.parse(b"77|kv|3|2|0").is_last is False  # bool("0") would say True
     assert Notif.parse(b"77|kv|3|2|1").is_last is True
-    for raw in (b"77|kv|3|2|2", b"77|kv|3|2", b"x|kv|3|2|0", b"77|blob|3|2|0", b"77|kv|-1|0|0", b"\xff"):
+    for raw in (b"77|kv|3|2|2", b"77|kv|3|2", b"x|kv|3|2|0", b"77|blob|3|2|0", b"77|kv|-1|0|0", b"\xff",
+                b"77|kv|3|2|0|4", b"77|kv|3|2|0|-1|2", b"77|kv|3|2|0|4|x", b"77|kv|3|2|0|4|2|9"):
         with pytest.raises(MalformedMessage):
             Notif.parse(raw)
+
+
+def test_notif_carries_the_request_pages_of_a_kv_chunk():
+    n = Notif(77, NotifKind.KV, 3, 2, True, first_page=12, num_pages=5)
+    assert n.encode() == b"77|kv|3|2|1|12|5"
+    assert Notif.parse(n.encode()) == n
+    assert Notif.parse(b"77|kv|3|2|1") == Notif(77, NotifKind.KV, 3, 2, True, 0, 0)  # range left out
 
 
 def test_two_prefill_ranks_pp1_both_counted_by_engine_rank():

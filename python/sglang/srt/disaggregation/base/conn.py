@@ -179,9 +179,10 @@ class TransferConfig:
     descriptor per page or per token (see ``common/staging.py``); 0 disables it, and a request
     that does not fit falls back to direct descriptors.
     ``descriptor_cost_bytes``: the bytes a local copy moves in the time one NIXL descriptor costs
-    (UCX/CMA here: ~3.7 us x ~13 GB/s). A route that adds k local copies of B bytes is taken
-    instead of one that needs n more descriptors when n x descriptor_cost_bytes > k x B; 0 keeps
-    staging for the cases that would otherwise need per-token descriptors.
+    (UCX/CMA on the 2-core dev box: ~3.7 us per descriptor x ~6.5 GB/s single-threaded copies).
+    A route that adds k local copies of B bytes is taken instead of one that needs n more
+    descriptors when n x descriptor_cost_bytes > k x B; 0 keeps staging only where the direct
+    route would need per-token descriptors.
     ``pack_chunk_bytes``: staged KV is gathered and written in pieces of at most this many bytes,
     so decode scatters one piece while the next is on the wire.
     """
@@ -194,8 +195,8 @@ class TransferConfig:
     heartbeat_timeout_s: float = 5.0
     nixl_progress_thread: bool = False
     staging_bytes: int = 64 << 20
-    descriptor_cost_bytes: int = 48 << 10
-    pack_chunk_bytes: int = 8 << 20
+    descriptor_cost_bytes: int = 24 << 10
+    pack_chunk_bytes: int = 16 << 20
 
     def __post_init__(self):
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):

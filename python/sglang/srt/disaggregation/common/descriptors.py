@@ -44,12 +44,6 @@ def _pack(src_addr, dst_addr, lengths, device_id: int = 0) -> Descs:
     return Descs(src, dst)
 
 
-def run_descs(src_addrs, dst_addrs, lengths) -> Descs:
-    """One descriptor per (source address, destination address, length) triple."""
-    return _pack(np.asarray(src_addrs, dtype=np.int64), np.asarray(dst_addrs, dtype=np.int64),
-                 np.asarray(lengths, dtype=np.int64))
-
-
 def _col(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1, 1)
 
@@ -106,6 +100,34 @@ def kv_token_slice_descs(src_ptrs, src_item_lens, dst_ptrs, dst_item_lens, page_
     dst_addr = _col(dst_ptrs) + dst_slots * dst_items + hs.dst_head_offset * head_bytes
     lengths = np.broadcast_to(head_bytes * hs.num_heads, src_addr.shape)
     return _pack(src_addr, dst_addr, lengths)
+
+
+def staged_bases(ptr: int, num_tokens: int, widths) -> np.ndarray:
+    """Start of each buffer's region in a staged area of ``num_tokens`` tokens at ``ptr``
+    (buffer-major, then token: see ``common/staging.py``)."""
+    return ptr + num_tokens * np.concatenate([[0], np.cumsum(np.asarray(widths, dtype=np.int64)[:-1])])
+
+
+def staged_run_descs(widths, src_ptr: int, src_tokens: int, src_first: int, dst_ptr: int, dst_tokens: int,
+                     dst_first: int, num_tokens: int) -> Descs:
+    """One run per buffer: tokens [src_first, +num_tokens) of the staged area at ``src_ptr``
+    (holding ``src_tokens``) to tokens [dst_first, ...) of the one at ``dst_ptr``."""
+    w = np.asarray(widths, dtype=np.int64)
+    src = staged_bases(src_ptr, src_tokens, w) + src_first * w
+    return _pack(src, staged_bases(dst_ptr, dst_tokens, w) + dst_first * w, num_tokens * w)
+
+
+def into_staging_descs(src_ptrs, src_item_lens, page_size: int, src_pages: np.ndarray, hs: HeadSlice | None,
+                       dst_ptr: int, dst_tokens: int, first_page: int, widths) -> Descs:
+    """Pool pages straight into a staged area (at ``dst_ptr``, holding ``dst_tokens``) as its
+    request pages [first_page, ...): runs of pages when the slice is the whole source token
+    (``hs`` None or all its heads), else ``hs.num_heads`` heads per (buffer, token)."""
+    bases = staged_bases(dst_ptr, dst_tokens, widths)
+    positions = np.arange(first_page, first_page + src_pages.size)
+    if hs is None or hs.num_heads == hs.src_heads:
+        return kv_page_descs(src_ptrs, bases, widths, page_size, src_pages, positions)
+    into = HeadSlice(hs.src_head_offset, 0, hs.num_heads, hs.src_heads, hs.num_heads)
+    return kv_token_slice_descs(src_ptrs, src_item_lens, bases, widths, page_size, src_pages, positions, into)
 
 
 def state_descs(src_ptrs, src_item_lens, src_rows, dst_ptrs, dst_item_lens, dst_rows, src_slots: np.ndarray,

@@ -3,8 +3,9 @@
 Every NIXL descriptor costs a fixed few microseconds on UCX/CMA (one ``process_vm_writev``
 each), so scattered pages, and worse per-token head slices, spend more time in descriptors
 than in bytes. Staging copies the bytes a destination needs into one contiguous area locally
-(``gather_slices``), the wire moves that area in one run per buffer, and the receiver copies
-them to their place (``scatter_slices``).
+(``SliceCopier.gather``), the wire moves that area in one run per buffer, and the receiver
+copies them to their place (``SliceCopier.scatter``). Area addresses on the wire come from
+``descriptors.staged_bases``.
 
 Staged layout of T tokens (``SliceLayout``): buffer-major, then token (request order), then
 the slice: (buffer b, token t) sits at ``T * sum(widths[:b]) + t * widths[b]``. A slice is the
@@ -50,10 +51,6 @@ class SliceLayout:
     def nbytes(self, num_tokens: int) -> int:
         return num_tokens * sum(self.widths)
 
-    def bases(self, ptr: int, num_tokens: int) -> np.ndarray:
-        """Start address of each buffer's region in a staged area of ``num_tokens`` at ``ptr``."""
-        return ptr + num_tokens * np.concatenate([[0], np.cumsum(self.widths[:-1], dtype=np.int64)])
-
 
 def byte_view(ptr: int, nbytes: int) -> torch.Tensor:
     """A writable uint8 tensor over ``nbytes`` of DRAM at ``ptr`` (no copy)."""
@@ -68,45 +65,66 @@ def _word(*sizes: int) -> torch.dtype:
     return torch.uint8
 
 
-def _views(pool: PoolBuffers, b: int, layout: SliceLayout, page_size: int, num_pages: int, area_ptr: int,
-           area_tokens: int, first_token: int):
-    """(pool rows, area rows, by_page) for buffer b: page rows when the slice is the whole token
-    (one long row per page), else token rows cut to the slice. ``area`` is a staged area."""
-    item, off, width = pool.item_lens[b], layout.offsets[b], layout.widths[b]
-    by_page = off == 0 and width == item
-    word = _word(item, off, width, pool.ptrs[b], area_ptr)
-    slots = (pool.lens[b] // (item * page_size)) * page_size
-    rows = byte_view(pool.ptrs[b], slots * item).view(word)
-    start = area_ptr + area_tokens * sum(layout.widths[:b]) + first_token * width
-    area = byte_view(start, num_pages * page_size * width).view(word)
-    if by_page:
-        return rows.view(-1, page_size * item // word.itemsize), area.view(num_pages, -1), True
-    w0, w1 = off // word.itemsize, (off + width) // word.itemsize
-    return rows.view(slots, -1)[:, w0:w1], area.view(num_pages * page_size, -1), False
+class SliceCopier:
+    """Copies the ``layout`` slice of a pool's tokens to and from staged areas (module doc).
 
+    Pool views are built once per buffer and word size, so a call costs a few microseconds per
+    buffer beyond the copy itself. A whole-token slice copies whole pages (one long row per
+    page); a cut one copies token rows. Gathers use torch (its intra-op threads), scatters
+    numpy fancy assignment (faster single-threaded than torch index_copy_ here).
+    """
 
-def _index(pages: np.ndarray, page_size: int, by_page: bool) -> torch.Tensor:
-    idx = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
-    return idx if by_page else (idx.view(-1, 1) * page_size + torch.arange(page_size)).view(-1)
+    def __init__(self, pool: PoolBuffers, layout: SliceLayout, page_size: int):
+        self.pool, self.layout, self.page_size = pool, layout, page_size
+        self._rows: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._by_page = [o == 0 and w == i for o, w, i in zip(layout.offsets, layout.widths, pool.item_lens)]
+        self._starts = np.concatenate([[0], np.cumsum(layout.widths[:-1], dtype=np.int64)]).tolist()
 
+    def _pool_rows(self, b: int, word: torch.dtype) -> torch.Tensor:
+        rows = self._rows.get((b, word))
+        if rows is None:
+            item, page_size = self.pool.item_lens[b], self.page_size
+            slots = (self.pool.lens[b] // (item * page_size)) * page_size
+            rows = byte_view(self.pool.ptrs[b], slots * item).view(word)
+            if self._by_page[b]:
+                rows = rows.view(-1, page_size * item // word.itemsize)
+            else:
+                off, width = self.layout.offsets[b], self.layout.widths[b]
+                rows = rows.view(slots, -1)[:, off // word.itemsize:(off + width) // word.itemsize]
+            self._rows[(b, word)] = rows
+        return rows
 
-def gather_slices(pool: PoolBuffers, layout: SliceLayout, page_size: int, pages: np.ndarray, area_ptr: int,
-                  area_tokens: int, first_token: int = 0) -> None:
-    """Copy the slice of every token of ``pages`` (pool page ids) of each buffer into the staged
-    area of ``area_tokens`` tokens at ``area_ptr``, as its tokens ``[first_token, ...)``.
-    Reads the pool; writes only the area."""
-    for b in range(len(pool.ptrs) if pages.size else 0):
-        rows, area, by_page = _views(pool, b, layout, page_size, pages.size, area_ptr, area_tokens, first_token)
-        torch.index_select(rows, 0, _index(pages, page_size, by_page), out=area)
+    def _pairs(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int):
+        """(pool rows, area rows, index) per buffer for copying ``pages`` at ``first_token``."""
+        page_idx = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+        slot_idx = None
+        for b, width in enumerate(self.layout.widths):
+            start = area_tokens * self._starts[b] + first_token * width
+            nbytes = pages.size * self.page_size * width
+            word = _word(self.pool.item_lens[b], self.layout.offsets[b], width, self.pool.ptrs[b],
+                         area.data_ptr() + start)
+            rows = self._pool_rows(b, word)
+            if self._by_page[b]:
+                yield rows, area[start:start + nbytes].view(word).view(pages.size, -1), page_idx
+                continue
+            if slot_idx is None:
+                slot_idx = (page_idx.view(-1, 1) * self.page_size + torch.arange(self.page_size)).view(-1)
+            yield rows, area[start:start + nbytes].view(word).view(slot_idx.numel(), -1), slot_idx
 
+    def gather(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int = 0) -> None:
+        """Copy the slice of every token of ``pages`` (pool page ids) into ``area`` (uint8, a
+        staged area of ``area_tokens`` tokens) as its tokens ``[first_token, ...)``. Reads the
+        pool; writes only the area."""
+        if pages.size:
+            for rows, dst, idx in self._pairs(pages, area, area_tokens, first_token):
+                torch.index_select(rows, 0, idx, out=dst)
 
-def scatter_slices(pool: PoolBuffers, layout: SliceLayout, page_size: int, pages: np.ndarray, area_ptr: int,
-                   area_tokens: int, first_token: int = 0) -> None:
-    """Inverse of ``gather_slices``: write the area's tokens ``[first_token, ...)`` into the slice
-    of every token of ``pages``. Mutates the pool; reads only the area."""
-    for b in range(len(pool.ptrs) if pages.size else 0):
-        rows, area, by_page = _views(pool, b, layout, page_size, pages.size, area_ptr, area_tokens, first_token)
-        rows.index_copy_(0, _index(pages, page_size, by_page), area)
+    def scatter(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int = 0) -> None:
+        """Inverse of ``gather``: write the area's tokens ``[first_token, ...)`` into the slice of
+        every token of ``pages``. Mutates the pool; reads only the area."""
+        if pages.size:
+            for rows, src, idx in self._pairs(pages, area, area_tokens, first_token):
+                rows.numpy()[idx.numpy()] = src.numpy()
 
 
 class StagingArea:

@@ -17,7 +17,7 @@ from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
 from sglang.srt.disaggregation.common.descriptors import page_run_count
 from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, required_dst_info_num
-from sglang.srt.disaggregation.common.staging import SliceLayout, scatter_slices
+from sglang.srt.disaggregation.common.staging import SliceLayout
 from sglang.srt.disaggregation.nixl.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -163,9 +163,9 @@ class DecodeSideMixin:
         st = next((s for s in room.staged if s.engine_rank == notif.engine_rank), None)
         if st is None or notif.kind is not NotifKind.KV or not notif.num_pages:
             return
-        lo, hi = notif.first_page, notif.first_page + notif.num_pages
-        scatter_slices(self.pool, st.layout, self.args.page_size, room.page_ids[lo:hi], self.staging.ptr + st.offset,
-                       room.page_ids.size * self.args.page_size, lo * self.args.page_size)
+        lo, hi, page_size = notif.first_page, notif.first_page + notif.num_pages, self.args.page_size
+        self.copier(st.layout).scatter(room.page_ids[lo:hi], self.staging.tensor[st.offset:st.offset + st.nbytes],
+                                       room.page_ids.size * page_size, lo * page_size)
         st.scattered_pages += notif.num_pages
 
     def drain_notifs(self) -> None:

@@ -1,6 +1,6 @@
 """Prefill half of KV movement: which route a chunk takes to one destination, and its bytes.
 
-Mixed into ``NixlKVManager``; uses its ``args``, ``pool``, ``staging``, ``config``, ``_post``,
+Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``config``, ``_post``,
 ``_track``, ``check`` and ``finish``, and counts every posted WRITE in ``route_counts``.
 
 One descriptor costs a fixed few microseconds on UCX/CMA whatever its size, so the route is the
@@ -18,14 +18,14 @@ from enum import Enum
 import numpy as np
 
 from sglang.srt.disaggregation.common.descriptors import (
+    into_staging_descs,
     kv_page_descs,
     kv_token_slice_descs,
     page_run_count,
-    run_descs,
+    staged_bases,
+    staged_run_descs,
 )
 from sglang.srt.disaggregation.common.messages import Notif, NotifKind
-from sglang.srt.disaggregation.common.rank_mapping import HeadSlice
-from sglang.srt.disaggregation.common.staging import gather_slices
 from sglang.srt.disaggregation.nixl.status import DstInfo, PrefillRoom
 
 logger = logging.getLogger(__name__)
@@ -70,42 +70,34 @@ class KVRoutesMixin:
 
     def _send_staged(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray, first_page: int,
                      is_last: bool) -> None:
-        """Into the decode's staging: packed pieces when source tokens are cut or the direct
-        runs are short, else runs of source pages."""
+        """Into the decode's staging, piece by piece so that decode scatters one piece while the
+        next is on the wire: packed when source tokens are cut or the direct runs are short,
+        else runs of source pages."""
         hs = dst.head_slice
         whole_src = hs is None or hs.num_heads == hs.src_heads
         direct = page_run_count(src_pages) * len(self.args.kv_data_ptrs)
         nbytes = dst.layout.nbytes(src_pages.size * self.args.page_size)
-        if self.staging is not None and (not whole_src or direct * self.config.descriptor_cost_bytes > nbytes):
-            return self._send_pieces(room, dst, peer, src_pages, None, first_page, is_last)
-        notif = self._kv_notif(room, dst, is_last, first_page, src_pages.size)
-        self._post_into_decode_staging(room, dst, peer, src_pages, first_page, notif)
-
-    def _remote_bases(self, dst: DstInfo, peer: dict) -> np.ndarray:
-        return dst.layout.bases(peer["staging_ptr"] + dst.staging_offset, dst.page_ids.size * self.args.page_size)
+        pack = self.staging is not None and (not whole_src or direct * self.config.descriptor_cost_bytes > nbytes)
+        self._send_pieces(room, dst, peer, src_pages, None, first_page, is_last, pack)
 
     def _post_into_decode_staging(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
                                   first_page: int, notif: Notif) -> None:
         """Descriptors straight from the pool into the decode's staged layout: page runs when
         source tokens are whole, else one per (buffer, token)."""
-        hs, page_size = dst.head_slice, self.args.page_size
-        positions = np.arange(first_page, first_page + src_pages.size)
-        bases = self._remote_bases(dst, peer)
-        if hs is None or hs.num_heads == hs.src_heads:
-            self.route_counts[KVRoute.DECODE_STAGING] += 1
-            descs = kv_page_descs(self.args.kv_data_ptrs, bases, dst.layout.widths, page_size, src_pages, positions)
-        else:
-            self.route_counts[KVRoute.TOKEN_SLICE] += 1
-            into = HeadSlice(hs.src_head_offset, 0, hs.num_heads, hs.src_heads, hs.num_heads)
-            descs = kv_token_slice_descs(self.args.kv_data_ptrs, self.args.kv_item_lens, bases, dst.layout.widths,
-                                         page_size, src_pages, positions, into)
+        hs = dst.head_slice
+        whole_src = hs is None or hs.num_heads == hs.src_heads
+        self.route_counts[KVRoute.DECODE_STAGING if whole_src else KVRoute.TOKEN_SLICE] += 1
+        descs = into_staging_descs(self.args.kv_data_ptrs, self.args.kv_item_lens, self.args.page_size, src_pages, hs,
+                                   peer["staging_ptr"] + dst.staging_offset, dst.page_ids.size * self.args.page_size,
+                                   first_page, dst.layout.widths)
         self._track(room, self._post(dst.agent_name, descs, notif))
 
     def _send_pieces(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
-                     dst_pages: np.ndarray | None, first_page: int, is_last: bool) -> None:
-        """Gather the chunk piece by piece (``pack_chunk_bytes``) into local staging and write
-        each piece: into the decode's staging (``dst_pages`` None), else as whole destination
-        pages. A piece that finds no staging room goes by direct descriptors."""
+                     dst_pages: np.ndarray | None, first_page: int, is_last: bool, pack: bool = True) -> None:
+        """Post the chunk in pieces of ``pack_chunk_bytes``, one WRITE and notification each:
+        into the decode's staging (``dst_pages`` None), else as whole destination pages. With
+        ``pack`` a piece is first gathered into local staging and travels as one run per buffer;
+        a piece that finds no staging room, or without ``pack``, goes by direct descriptors."""
         page_size, layout = self.args.page_size, dst.layout
         step = max(1, self.config.pack_chunk_bytes // max(1, layout.nbytes(page_size)))
         for lo in range(0, src_pages.size, step):
@@ -113,26 +105,26 @@ class KVRoutesMixin:
             tokens, last = pages.size * page_size, is_last and lo + step >= src_pages.size
             notif = self._kv_notif(room, dst, last, first_page + lo, pages.size)
             nbytes = layout.nbytes(tokens)
-            off = self._alloc_staging(room, nbytes)
+            off = self._alloc_staging(room, nbytes) if pack else None
             if off is None:
-                logger.debug("%s: staging full (%d bytes wanted); direct descriptors", self.agent_name, nbytes)
+                if pack:
+                    logger.debug("%s: staging full (%d bytes wanted); direct descriptors", self.agent_name, nbytes)
                 if dst_pages is None:
                     self._post_into_decode_staging(room, dst, peer, pages, first_page + lo, notif)
                 else:
                     self.route_counts[KVRoute.TOKEN_SLICE] += 1
                     self._track(room, self.send_kvcache_slice(dst, peer, pages, dst_pages[lo:lo + step], notif))
                 continue
-            local = layout.bases(self.staging.ptr + off, tokens)
-            gather_slices(self.pool, layout, page_size, pages, self.staging.ptr + off, tokens)
+            self.copier(layout).gather(pages, self.staging.tensor[off:off + nbytes], tokens)
+            local = self.staging.ptr + off
             if dst_pages is None:
                 self.route_counts[KVRoute.PACKED] += 1
-                widths = np.asarray(layout.widths, dtype=np.int64)
-                descs = run_descs(local, self._remote_bases(dst, peer) + (first_page + lo) * page_size * widths,
-                                  tokens * widths)
+                descs = staged_run_descs(layout.widths, local, tokens, 0, peer["staging_ptr"] + dst.staging_offset,
+                                         dst.page_ids.size * page_size, (first_page + lo) * page_size, tokens)
             else:
                 self.route_counts[KVRoute.GATHER] += 1
-                descs = kv_page_descs(local, peer["kv_ptrs"], layout.widths, page_size, np.arange(pages.size),
-                                      dst_pages[lo:lo + step])
+                descs = kv_page_descs(staged_bases(local, tokens, layout.widths), peer["kv_ptrs"], layout.widths,
+                                      page_size, np.arange(pages.size), dst_pages[lo:lo + step])
             self._track(room, self._post(dst.agent_name, descs, notif, staging=(off, nbytes)))
 
     def _alloc_staging(self, room: PrefillRoom, nbytes: int) -> int | None:

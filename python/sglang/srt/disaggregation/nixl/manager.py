@@ -1,12 +1,12 @@
 """NixlKVManager: one rank's NIXL agent, control channel and room bookkeeping.
 
 Prefill: registers with the bootstrap server, accepts decode REGISTER / REQUEST messages, and
-writes pages with NIXL WRITE + a notification tag (``send_kvcache``, ``send_kvcache_slice``,
-``send_state``, ``send_aux``). Decode: resolves prefill ranks through the bootstrap server,
-registers its buffers with each, and files arriving notifications into per-room
-``TransferStatus``. Either side fails every room of a peer that stops heartbeating, and tells
-the other side (ABORT) when a room fails locally. All room state is guarded by ``self._lock``;
-NIXL agent calls happen under it too.
+writes KV with NIXL WRITE + a notification tag (``send_kvcache`` and its routes in
+``kv_routes.py``; ``send_state``, ``send_aux`` here). Decode: resolves prefill ranks through the
+bootstrap server, registers its buffers with each, files arriving notifications into per-room
+``TransferStatus`` and scatters staged KV chunks as they land. Either side fails every room of a
+peer that stops heartbeating, and tells the other side (ABORT) when a room fails locally. All
+room state is guarded by ``self._lock``; NIXL agent calls happen under it too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sglang.srt.disaggregation.common.compat import PeerInfo
 from sglang.srt.disaggregation.common.control import ControlChannel
 from sglang.srt.disaggregation.common.descriptors import Descs, row_descs, state_descs
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif
-from sglang.srt.disaggregation.common.staging import PoolBuffers, StagingArea
+from sglang.srt.disaggregation.common.staging import PoolBuffers, SliceCopier, SliceLayout, StagingArea
 from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
 from sglang.srt.disaggregation.nixl.kv_routes import KVRoute, KVRoutesMixin
 from sglang.srt.disaggregation.nixl.prefill_side import PrefillSideMixin
@@ -58,6 +58,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(
             enable_prog_thread=config.nixl_progress_thread, backends=["UCX"]))
         self.pool = PoolBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        self._copiers: dict[SliceLayout, SliceCopier] = {}
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
         regions = [
@@ -100,7 +101,8 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
 
     def _progress(self) -> None:
         """Background progress on every heartbeat tick, for when the scheduler is not polling:
-        decode drains (and files) notifications, prefill checks its in-flight handles."""
+        decode drains (and files) notifications; prefill checks its in-flight handles and
+        progresses its UCX worker, which a bare notification (no handle) needs to go out."""
         if self.mode is DisaggregationMode.DECODE:
             self.drain_notifs()
             return
@@ -108,6 +110,13 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
             for room in self.prefill_rooms.values():
                 for transfer in room.handles:
                     self.check(transfer)
+            try:
+                stray = self.agent.get_new_notifs()  # prefill expects none; reading progresses UCX
+            except Exception as exc:
+                logger.warning("%s: progressing the NIXL agent failed: %s", self.agent_name, exc)
+                return
+            if stray:
+                logger.debug("%s dropped notifications it does not expect: %s", self.agent_name, stray)
 
     def _on_peer_dead(self, name: str, reason: str) -> None:
         if self.mode is DisaggregationMode.PREFILL:
@@ -143,6 +152,13 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
                 raise KVTransferError(f"NIXL failed to post {tag!r} to {remote}: {state}")
             logger.debug("posted %s: %d descriptors, %d bytes", tag, len(descs), descs.total_bytes)
             return Transfer(remote, handle, staging)
+
+    def copier(self, layout: SliceLayout) -> SliceCopier:
+        """The staging copier of this rank's pool for ``layout`` (built once)."""
+        copier = self._copiers.get(layout)
+        if copier is None:
+            copier = self._copiers[layout] = SliceCopier(self.pool, layout, self.args.page_size)
+        return copier
 
     def _free_staging(self, staging: tuple[int, int] | None) -> None:
         if staging is not None:
