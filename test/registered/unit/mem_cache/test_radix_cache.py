@@ -146,7 +146,7 @@ def test_bad_input_is_refused_without_changes():
     with pytest.raises(ValueError, match=">= 0"):
         c.evict(-1)
     assert c.total_size() == 0 and not c.root_node.children
-    with pytest.raises(ValueError, match="eviction_policy 'fifo'"):
+    with pytest.raises(ValueError, match="eviction policy 'fifo'"):
         CacheInitParams(page_size=2, eviction_policy="fifo")
     with pytest.raises(ValueError, match="allocator page_size"):
         RadixCache(CacheInitParams(page_size=4, token_to_kv_pool_allocator=alloc))
