@@ -53,6 +53,11 @@ def device_pool(kind: PoolKind, page_size: int, num_pages: int, layers: int, dev
     return builders[kind]()
 
 
+def chunk_bytes(host) -> int:
+    """Smallest contiguous piece a direct copy moves: one page of one layer of one component."""
+    return min(c.item_bytes for c in host.components) * host.page_size
+
+
 def timed(fn, device: str, repeat: int) -> float:
     """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -67,12 +72,21 @@ def timed(fn, device: str, repeat: int) -> float:
     return statistics.median(samples)
 
 
+def num_pages_for(kind, args) -> int:
+    """``--pages``, raised so that at least ``--min-mib`` move: a smaller working set would sit
+    in the CPU cache and flatter the baseline."""
+    P = 1 if kind is PoolKind.MAMBA else args.page_size
+    probe = device_pool(kind, P, 1, args.layers, "cpu")
+    page_bytes = probe.get_size_per_token() * P
+    return max(args.pages, -(-(args.min_mib << 20) // page_bytes))
+
+
 def bench_cell(kind, layout, io, args, gen):
     P = 1 if kind is PoolKind.MAMBA else args.page_size
-    dev = device_pool(kind, P, args.pages + 1, args.layers, args.device)
+    n = num_pages_for(kind, args)
+    dev = device_pool(kind, P, n + 1, args.layers, args.device)
     host = HOST_CLASSES[kind](dev, 1.0, layout=layout, io_backend=io)
-    n = args.pages
-    dev_pages = torch.randperm(n, generator=gen)[:n] + 1  # scattered, never the padding page
+    dev_pages = torch.randperm(n, generator=gen) + 1  # scattered, never the padding page
     host_pages = torch.randperm(host.page_num, generator=gen)[:n]
     offs = torch.arange(P)
     dev_idx = (dev_pages[:, None] * P + offs).reshape(-1)
@@ -101,7 +115,7 @@ def bench_cell(kind, layout, io, args, gen):
         rows.append(
             dict(kind=kind.value, layout=layout.value, io_backend=io.value, direction=direction,
                  page_bytes=host.page_bytes, gbps=round(gbps, 3), baseline_gbps=round(base_gbps, 3),
-                 ratio=round(gbps / base_gbps, 3), impl=impl)
+                 ratio=round(gbps / base_gbps, 3), impl=impl, chunk_bytes=chunk_bytes(host), pages=n)
         )
     host.destroy()
     return rows
@@ -110,7 +124,8 @@ def bench_cell(kind, layout, io, args, gen):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--pages", type=int, default=256, help="pages moved per call (scattered)")
+    parser.add_argument("--pages", type=int, default=256, help="pages moved per call (scattered), at least")
+    parser.add_argument("--min-mib", type=int, default=256, help="move at least this many MiB per call")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (Mamba: 1 slot)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5)
@@ -121,7 +136,8 @@ def main() -> int:
     kinds = {PoolKind(k) for k in args.kinds.split(",")}
     gen = torch.Generator().manual_seed(0)
     records = []
-    print(f"{'kind':15} {'layout':18} {'io':7} {'dir':7} {'page KiB':>9} {'GB/s':>8} {'base':>8} {'ratio':>6}  impl")
+    print(f"{'kind':15} {'layout':18} {'io':7} {'dir':7} {'page KiB':>9} {'chunk KiB':>9} {'GB/s':>8} {'base':>8} "
+          f"{'ratio':>6}  impl")
     for kind, layout, io in sorted(IO_TABLE, key=lambda c: (c[0].value, c[1].value, c[2].value)):
         if kind not in kinds:
             continue
@@ -130,8 +146,8 @@ def main() -> int:
         for r in bench_cell(kind, layout, io, args, gen):
             records.append(r)
             print(f"{r['kind']:15} {r['layout']:18} {r['io_backend']:7} {r['direction']:7} "
-                  f"{r['page_bytes'] / 1024:9.1f} {r['gbps']:8.2f} {r['baseline_gbps']:8.2f} {r['ratio']:6.2f}  {r['impl']}",
-                  flush=True)
+                  f"{r['page_bytes'] / 1024:9.1f} {r['chunk_bytes'] / 1024:9.2f} {r['gbps']:8.2f} "
+                  f"{r['baseline_gbps']:8.2f} {r['ratio']:6.2f}  {r['impl']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     return 0
