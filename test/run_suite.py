@@ -103,6 +103,14 @@ def select(regs: list[Registration], hw: str, suite: str) -> list[Registration]:
     return [r for r in regs if r.hw == hw and r.suite == suite]
 
 
+def _shown(path: Path) -> Path:
+    """``path`` relative to the repository when it lies inside it."""
+    try:
+        return path.relative_to(ROOT.parent)
+    except ValueError:
+        return path
+
+
 def run(selected: list[Registration], hw: str, timeout_per_file: float, pytest_args: list[str]) -> int:
     env = dict(os.environ)
     env["SGLANG_TEST_DEVICE"] = hw
@@ -114,7 +122,7 @@ def run(selected: list[Registration], hw: str, timeout_per_file: float, pytest_a
     passed, failed, skipped = [], [], []
     start = time.monotonic()
     for reg in selected:
-        rel = reg.path.relative_to(ROOT.parent)
+        rel = _shown(reg.path)
         if reg.disabled:
             print(f"SKIP {rel}: disabled ({reg.disabled})", flush=True)
             skipped.append(rel)
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.list:
         for reg in selected:
-            print(f"{reg.path.relative_to(ROOT.parent)}\t{reg.est_time:.0f}s")
+            print(f"{_shown(reg.path)}\t{reg.est_time:.0f}s")
         print(f"{len(selected)} files, est {sum(r.est_time for r in selected):.0f}s")
         return 0
     if not selected:
