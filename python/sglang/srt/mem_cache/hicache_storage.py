@@ -13,7 +13,6 @@ ValueError: they are the caller's bug.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
@@ -23,6 +22,7 @@ import torch
 
 from sglang.srt.mem_cache.cache_init_params import check_parallel_coords
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg
 
 __all__ = [
     "HiCacheStorage",
@@ -103,20 +103,6 @@ def leading_hits(flags: Sequence[bool]) -> int:
     return n
 
 
-def parse_extra_config(extra_config: str | dict | None) -> dict:
-    """Extra config from a JSON string, a dict or None; ValueError naming ``extra_config`` otherwise."""
-    if extra_config is None or extra_config == "":
-        return {}
-    if isinstance(extra_config, str):
-        try:
-            extra_config = json.loads(extra_config)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"extra_config is not valid JSON: {exc}") from None
-    if not isinstance(extra_config, dict):
-        raise ValueError(f"extra_config must be a JSON object, got {type(extra_config).__name__}")
-    return dict(extra_config)
-
-
 @dataclass(frozen=True)
 class HiCacheStorageConfig:
     """What a backend needs to know about this rank. Build it with :meth:`from_cache_params`.
@@ -157,7 +143,7 @@ class HiCacheStorageConfig:
         from sglang.srt.mem_cache.storage_keys import SHARD_MODE, ShardMode
 
         anchor = getattr(host_pool, "anchor_pool", host_pool)
-        extra = parse_extra_config(extra_config)
+        extra = parse_extra_config_arg(extra_config, "extra_config")
         salt = extra.get("namespace_salt", "")
         if not isinstance(salt, str):
             raise ValueError(f"extra config key 'namespace_salt' must be a string, got {salt!r}")
