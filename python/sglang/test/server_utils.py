@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,12 +18,7 @@ import time
 import requests
 
 from sglang.test.engine_utils import REPO_ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sglang.test.multiprocess import free_port
 
 
 class ServerStartError(RuntimeError):

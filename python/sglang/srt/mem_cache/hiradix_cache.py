@@ -39,7 +39,6 @@ from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
 from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
-from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
 
 logger = logging.getLogger(__name__)
 
@@ -181,14 +180,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         return self._insert_host_from(self.root_node, key, host)
 
     def _checked_host_insert(self, key: RadixKey, host_indices) -> tuple[RadixKey, torch.Tensor]:
-        key = self._check_key(key)
-        if len(key) % self.page_size:
-            raise ValueError(f"insert_host key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
-        host = as_cpu_index(host_indices, "insert_host host_indices")
-        if host.numel() != len(key):
-            raise ValueError(f"insert_host has {host.numel()} host slots for a key of {len(key)} tokens")
-        check_page_aligned(host, self.page_size, "insert_host host_indices")
-        return key, host
+        return self._check_paged_slots(key, host_indices, "insert_host", "insert_host host_indices", "host slots")
 
     def _insert_host_from(self, node: TreeNode, key: RadixKey, host: torch.Tensor) -> int:
         """insert_host for ``key`` continuing after ``node`` (an attached node)."""

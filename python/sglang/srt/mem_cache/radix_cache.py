@@ -169,17 +169,21 @@ class RadixCache(RequestCacheMixin):
         return MatchResult(device, last, last, 0)
 
     # ---- insert ----------------------------------------------------------------------------
-    def _check_insert(self, key, value) -> tuple[RadixKey, torch.Tensor]:
+    def _check_paged_slots(self, key, slots, op: str, slots_name: str, unit: str) -> tuple[RadixKey, torch.Tensor]:
+        """A whole-page ``key`` and one page-aligned slot per token; ValueError naming ``op``."""
         key = self._check_key(key)
+        if len(key) % self.page_size:
+            raise ValueError(f"{op} key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
+        slots = as_cpu_index(slots, slots_name)
+        if slots.numel() != len(key):
+            raise ValueError(f"{slots_name} has {slots.numel()} {unit} for a key of {len(key)} tokens")
+        check_page_aligned(slots, self.page_size, slots_name)
+        return key, slots
+
+    def _check_insert(self, key, value) -> tuple[RadixKey, torch.Tensor]:
         if self.disable:
             raise ValueError("insert into a disabled cache")
-        if len(key) % self.page_size:
-            raise ValueError(f"insert key of {len(key)} tokens is not a multiple of page_size {self.page_size}")
-        value = as_cpu_index(value, "insert value")
-        if value.numel() != len(key):
-            raise ValueError(f"insert value has {value.numel()} slots for a key of {len(key)} tokens")
-        check_page_aligned(value, self.page_size, "insert value")
-        return key, value
+        return self._check_paged_slots(key, value, "insert", "insert value", "slots")
 
     def insert(self, key: RadixKey, value: torch.Tensor, chunked: bool = False) -> int:
         """Cache ``key`` (whole pages) with device slots ``value`` (one per token).

@@ -12,14 +12,12 @@ slot (prefetch reservations included).
 
 import hashlib
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from storage_test_backends import scripted_extra
 from tree_fixtures import make_hicache, params_for, pattern_matches, start_request, write_pattern
 
@@ -29,6 +27,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.multiprocess import run_ranks
 
 register_cpu_ci(est_time=12, suite="per-commit-cpu")
 
@@ -220,36 +219,10 @@ def _worker(rank: int, port: int, tmp: str, out) -> None:
     out.put(results)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run every scenario on two ranks once; {rank: {scenario: record}}."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port, tmp = free_port(), str(tmp_path_factory.mktemp("l3tp"))
-    procs = [ctx.Process(target=_worker, args=(rank, port, tmp, out), daemon=True) for rank in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results, deadline = {}, time.monotonic() + JOIN_TIMEOUT_S
-        while len(results) < 2 and time.monotonic() < deadline:
-            try:
-                res = out.get(timeout=1)
-            except Exception:  # queue.Empty
-                continue
-            results[res["rank"]] = res
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    results = run_ranks(_worker, str(tmp_path_factory.mktemp("l3tp")), timeout_s=JOIN_TIMEOUT_S)
     assert sorted(results) == [0, 1], f"ranks reported {sorted(results)} (hang or crash)"
     for res in results.values():
         assert "crash" not in res, res["crash"]

@@ -7,18 +7,17 @@ the agreement the same workload does drive the two host sizes apart.
 """
 
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
 
 import pytest
-import torch.multiprocessing as mp
 from tree_fixtures import make_hicache, start_request
 
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.multiprocess import run_ranks
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
@@ -93,36 +92,8 @@ def _worker(rank: int, port: int, scenario: str, out) -> None:
     out.put(result)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(scenario: str, expect: int = 2) -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, scenario, out), daemon=True) for rank in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = {}
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while len(results) < expect and time.monotonic() < deadline:
-            try:
-                res = out.get(timeout=1)
-            except Exception:  # queue.Empty
-                continue
-            results[res["rank"]] = res
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    return run_ranks(_worker, scenario, timeout_s=JOIN_TIMEOUT_S, expect=expect)
 
 
 def test_ranks_agree_under_different_host_pressure():

@@ -3,17 +3,16 @@ logits, with sharded KV heads and with KV heads replicated (tp_size > num_kv_hea
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
+from sglang.test.multiprocess import free_port
 from tp_worker import run_model
 
 register_cpu_ci(est_time=30, suite="per-commit-cpu")
@@ -21,12 +20,6 @@ register_cpu_ci(est_time=30, suite="per-commit-cpu")
 TP_SIZE, NEW_TOKENS, TIMEOUT_S = 2, 5, 240
 _g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(5, 1000, (n,), generator=_g).tolist() for n in (4, 33, 140)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_tp(models, out_file):

@@ -43,15 +43,44 @@ def _check_mode(mgr: NixlKVManager, mode: DisaggregationMode, who: str) -> None:
         raise ValueError(f"{who} needs a {mode.value} NixlKVManager, got a {mgr.mode.value} one")
 
 
-class NixlKVSender(BaseKVSender):
+class _RoomEnd:
+    """One side's end of a room: its terminal state, the failure reason, and abort.
+
+    Subclasses set ``mgr``, ``room``, ``_room`` and implement ``_fail_room`` / ``_drop_room``.
+    """
+
+    _final: KVPoll | None = None
+    _failure: str | None = None
+
+    def _fail_room(self, reason: str) -> None:
+        raise NotImplementedError
+
+    def _drop_room(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self, state: KVPoll) -> None:
+        self._final, self._failure = state, self._room.failure
+        self._drop_room()
+
+    def failure_exception(self) -> KVTransferError | None:
+        return None if self._failure is None else KVTransferError(f"room {self.room}: {self._failure}")
+
+    def abort(self) -> None:
+        """Fail the room now, release its transfers and tell the peers."""
+        if self._final is not None:
+            return
+        with self.mgr._lock:
+            self._fail_room(f"aborted by {self.mgr.mode.value}")
+        self._finish(KVPoll.Failed)
+
+
+class NixlKVSender(_RoomEnd, BaseKVSender):
     """Prefill side of room ``bootstrap_room``. Mutates the manager's room of that id."""
 
     def __init__(self, mgr: NixlKVManager, bootstrap_addr: str, bootstrap_room: int):
         _check_mode(mgr, DisaggregationMode.PREFILL, "NixlKVSender")
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
         self._room = mgr.prefill_room(self.room)
-        self._final: KVPoll | None = None
-        self._failure: str | None = None
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         """``num_kv_indices``: pages of the whole request; ``aux_index``: row of the aux buffers."""
@@ -72,34 +101,23 @@ class NixlKVSender(BaseKVSender):
             return self._final
         state = self.mgr.poll_prefill_room(self.room)
         if state in _TERMINAL:
-            self._finish(state, self._room.failure)
+            self._finish(state)
         return state
 
-    def _finish(self, state: KVPoll, failure: str | None) -> None:
-        self._final, self._failure = state, failure
+    def _fail_room(self, reason: str) -> None:
+        self.mgr._fail_prefill_room(self._room, reason)
+
+    def _drop_room(self) -> None:
         self.mgr.drop_prefill_room(self.room)
 
-    def failure_exception(self) -> KVTransferError | None:
-        return None if self._failure is None else KVTransferError(f"room {self.room}: {self._failure}")
 
-    def abort(self) -> None:
-        """Fail the room now, release its transfers and tell decode."""
-        if self._final is not None:
-            return
-        with self.mgr._lock:
-            self.mgr._fail_prefill_room(self._room, "aborted by prefill")
-        self._finish(KVPoll.Failed, self._room.failure)
-
-
-class NixlKVReceiver(BaseKVReceiver):
+class NixlKVReceiver(_RoomEnd, BaseKVReceiver):
     """Decode side of room ``bootstrap_room`` fed by the prefill cluster at ``bootstrap_addr``."""
 
     def __init__(self, mgr: NixlKVManager, bootstrap_addr: str, bootstrap_room: int):
         _check_mode(mgr, DisaggregationMode.DECODE, "NixlKVReceiver")
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
         self._room = mgr.decode_room(self.room, bootstrap_addr)
-        self._final: KVPoll | None = None
-        self._failure: str | None = None
         self._next_try = 0.0
         self._try_bootstrap()
 
@@ -148,18 +166,11 @@ class NixlKVReceiver(BaseKVReceiver):
             self._try_bootstrap()
         state = self.mgr.poll_decode_room(self.room)
         if state in _TERMINAL:
-            self._final, self._failure = state, self._room.failure
-            self.mgr.drop_decode_room(self.room)
+            self._finish(state)
         return state
 
-    def failure_exception(self) -> KVTransferError | None:
-        return None if self._failure is None else KVTransferError(f"room {self.room}: {self._failure}")
+    def _fail_room(self, reason: str) -> None:
+        self.mgr._fail_decode_room(self._room, reason)
 
-    def abort(self) -> None:
-        """Fail the room now and tell every prefill target."""
-        if self._final is not None:
-            return
-        with self.mgr._lock:
-            self.mgr._fail_decode_room(self._room, "aborted by decode")
-        self._final, self._failure = KVPoll.Failed, self._room.failure
+    def _drop_room(self) -> None:
         self.mgr.drop_decode_room(self.room)
