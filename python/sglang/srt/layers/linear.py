@@ -3,10 +3,12 @@
 Every weight carries a ``weight_loader(param, loaded_weight, shard_id=None)`` that takes the
 full (unsharded) checkpoint tensor and copies this rank's slice into the parameter.
 
-Batch invariance: BLAS picks different kernels for matrices of 1-3 rows than for 4 or more, and
-those kernels round differently. ``invariant_linear`` pads tiny inputs to ``MIN_GEMM_ROWS``
-rows, so a token's output does not depend on how many tokens share the call (verified for MKL
-on CPU; on CUDA cuBLAS heuristics still vary with shape, see docs/engine.md).
+Batch invariance: BLAS picks different kernels for small row counts than for large ones, and
+those kernels round differently. Where the switch happens depends on the CPU and on the inner
+dimension: 1-3 rows on some machines, up to 15 rows (K >= 512) on AVX-512/AMX Xeons.
+``invariant_linear`` pads small inputs to ``MIN_GEMM_ROWS`` rows, so a token's output does not
+depend on how many tokens share the call (verified for MKL/oneDNN on CPU; on CUDA cuBLAS
+heuristics still vary with shape, see docs/engine.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sglang.srt.distributed import (
     tensor_model_parallel_all_reduce,
 )
 
-MIN_GEMM_ROWS = 4
+MIN_GEMM_ROWS = 16
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
