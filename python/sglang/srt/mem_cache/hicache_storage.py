@@ -41,7 +41,11 @@ STORAGE_BATCH_SIZE = 128  # pages per existence query / transfer chunk
 
 
 class StorageBackendError(RuntimeError):
-    """An I/O failure of a storage backend, raised at the adapter boundary (never a raw SDK code)."""
+    """An I/O failure of a storage backend, raised at the adapter boundary (never a raw SDK code).
+    ``quiet``: an expected, already-logged condition (an endpoint known to be down), counted and
+    treated as a miss without a traceback per call."""
+
+    quiet = False
 
 
 class PoolHitPolicy(str, Enum):

@@ -114,6 +114,15 @@ class StorageNamespace:
         return hashlib.sha256(blob).digest()
 
 
+def page_group(page_hash: str) -> str:
+    """The 32-hex-digit group of a page: shared by every object of every pool stored for that page
+    hash, so file stores can place them in one directory and evict them together."""
+    return hashlib.sha256(b"sglang-hicache-page-group\0" + bytes.fromhex(check_page_hash(page_hash))).hexdigest()[:32]
+
+
+GROUP_SEPARATOR = "."
+
+
 class KeyDeriver:
     """Maps page hashes to object name stems for one namespace (cached digest)."""
 

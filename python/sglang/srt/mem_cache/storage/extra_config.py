@@ -47,6 +47,11 @@ def _coerce(key: ExtraKey, value: Any, where: str) -> Any:
         if key.minimum is not None and value < key.minimum:
             raise ValueError(f"{what} must be >= {key.minimum}, got {value!r}")
         return value
+    if key.type is list:  # of strings; a string is split at commas (the environment's form)
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"{what} must be a list of strings, got {value!r}")
+        return [v.strip() for v in items]
     if key.type is dict:
         if not isinstance(value, dict):
             raise ValueError(f"{what} must be an object (dict), got {value!r}")

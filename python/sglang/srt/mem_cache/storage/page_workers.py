@@ -8,9 +8,10 @@ copy's speed instead of copy plus hash. Small pages stay on the calling thread: 
 the copy, and the thread handoffs cost more than the overlap saves.
 
 Measured on 2 shared cores with one mostly idle (file backend, 2 threads against 1): 2-4 MiB
-pages read 1.3-1.4x and written 1.5x faster, 1 MiB even, 64-256 KiB 10-20% slower. (NIXL does
-not use this: its transfer is one call, and verifying chunk k on a worker while chunk k + 1
-moves gained nothing here.)
+pages read 1.3-1.4x and written 1.5x faster, 1 MiB even, 64-256 KiB 10-20% slower (and still
+slower with one batch slice per thread: xxhash holds the GIL). NIXL does not use this: it
+overlaps the transfer of chunk k + 1 (NIXL releases the GIL) with the verification of chunk k
+itself (``HiCacheNixl._read_pages``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ def _run(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
     return [fn(item) for item in items]
 
 
+def _flat(lists: list[list[R]]) -> list[R]:
+    return [x for part in lists for x in part]
+
+
+class _Slices(list):
+    """``items`` cut into ``parts`` contiguous slices (one per thread)."""
+
+    def __init__(self, items: Sequence[T], parts: int):
+        step = -(-len(items) // parts)
+        super().__init__(items[i : i + step] for i in range(0, len(items), step))
+
+
 class PageWorkers:
     def __init__(self, threads: int, name: str, min_page_bytes: int = PARALLEL_MIN_PAGE_BYTES):
         if threads < 1:
@@ -43,13 +56,14 @@ class PageWorkers:
         """Whether pages of ``page_bytes`` are worth spreading over threads."""
         return self.threads > 1 and page_bytes >= self.min_page_bytes
 
-    def map(self, fn: Callable[[T], R], items: Sequence[T], page_bytes: int) -> list[R]:
+    def map(self, fn: Callable[[T], R], items: Sequence[T], page_bytes: int, flatten: bool = False) -> list[R]:
         """``[fn(item) for item in items]``, in contiguous slices on up to ``threads`` threads
-        when the pages are of ``min_page_bytes`` or more, else on the calling thread. An
+        when the pages are of ``min_page_bytes`` or more, else on the calling thread (``flatten``:
+        each ``fn(item)`` is a list, concatenated). An
         exception in any slice propagates once all slices have finished, so that no thread
         still touches host memory when the caller handles it."""
         if len(items) < 2 or not self.parallel(page_bytes):
-            return _run(fn, items)
+            return _flat(_run(fn, items)) if flatten else _run(fn, items)
         step = -(-len(items) // min(self.threads, len(items)))
         with self._pool_lock:
             if self._pool is None:
@@ -64,7 +78,14 @@ class PageWorkers:
                 error = error or exc
         if error is not None:
             raise error
-        return results
+        return _flat(results) if flatten else results
+
+    def map_slices(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T], page_bytes: int) -> list[R]:
+        """``fn(items)`` with ``fn`` taking a batch: on the calling thread, or (pages of
+        ``min_page_bytes`` or more) one contiguous slice per thread, results concatenated."""
+        if len(items) < 2 or not self.parallel(page_bytes):
+            return list(fn(items))
+        return self.map(fn, _Slices(items, min(self.threads, len(items))), page_bytes, flatten=True)
 
     def close(self) -> None:
         with self._pool_lock:

@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     PoolHitPolicy,
+    StorageBackendError,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
@@ -41,6 +42,7 @@ def trailing_hit(flags: list[bool], n: int) -> int:
 class PagedStorage(HiCacheStorage):
     object_format: str  # the framing of a stored object; part of every key namespace
     per_component: bool  # one object per component (True) or per flat page (False)
+    grouped_names = False  # object names carry the page group (see PoolCodec)
 
     def __init__(self, storage_config: HiCacheStorageConfig, mem_pool_host=None):
         self.config = storage_config
@@ -80,7 +82,7 @@ class PagedStorage(HiCacheStorage):
         if name in self.codecs:
             return
         namespace = StorageNamespace.for_pool(self.config, host_pool, name.value, self.object_format)
-        codec = PoolCodec(name, host_pool, namespace, self.per_component)
+        codec = PoolCodec(name, host_pool, namespace, self.per_component, self.grouped_names)
         self._on_register(codec)
         self.codecs[name] = codec
         logger.info("%s: registered pool %s (%d objects per page)", type(self).__name__, name.value, len(codec.segments))
@@ -118,7 +120,12 @@ class PagedStorage(HiCacheStorage):
             return default
         try:
             return fn()
-        except Exception:  # a backend fault is a miss and a counted failure, never a crash
+        except Exception as exc:  # a backend fault is a miss and a counted failure, never a crash
+            if isinstance(exc, StorageBackendError) and exc.quiet:
+                # an unavailable endpoint: logged once where it was detected, then a miss per call
+                self.stats.add(failures=1, timeouts=1)
+                logger.debug("%s: %s missed: %s", type(self).__name__, what, exc)
+                return default
             self.stats.add(failures=1)
             logger.warning("%s: %s failed; treated as a miss", type(self).__name__, what, exc_info=True)
             return default

@@ -20,14 +20,19 @@ import numpy as np
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage.page_views import PageViews
 from sglang.srt.mem_cache.storage_keys import (
+    GROUP_SEPARATOR,
     MARKER_TAG,
     KeyDeriver,
     ShardMode,
     StorageNamespace,
     component_tag,
     object_suffix,
+    page_group,
 )
 from sglang.srt.mem_cache.utils import as_cpu_index
+
+
+NAME_CACHE_PAGES = 1 << 16  # ~20 MiB of names at most per pool
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Segment:
     num_chunks: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ObjectIO:
     """One object of one page: its name and the host memory its payload lives in."""
 
@@ -48,7 +53,7 @@ class ObjectIO:
     nbytes: int
 
 
-@dataclass
+@dataclass(slots=True)
 class PageIO:
     codec: "PoolCodec"
     slot: int  # first host slot of the page
@@ -104,8 +109,12 @@ def _segments(pool_name: PoolName, host_pool, per_component: bool) -> list[Segme
 class PoolCodec:
     """Object names and host views of the pages of one registered pool."""
 
-    def __init__(self, name: PoolName, host_pool, namespace: StorageNamespace, per_component: bool):
+    def __init__(self, name: PoolName, host_pool, namespace: StorageNamespace, per_component: bool,
+                 grouped: bool = False):
+        """``grouped``: object names start with the page's group and GROUP_SEPARATOR
+        (``<group>.<stem><suffix>``), so every object of one page hash shares a prefix."""
         self.name = PoolName(name)
+        self.grouped = grouped
         self.host_pool = host_pool
         self.namespace = namespace
         self.keys = KeyDeriver(namespace)
@@ -114,6 +123,8 @@ class PoolCodec:
             raise ValueError(f"pool {self.name.value!r}: two components map to one object suffix")
         self.page_views = PageViews(host_pool)
         self.is_marker = self.segments[0].nbytes == 0  # a pool without bytes: one empty marker object
+        self._names: dict[str, list[str]] = {}  # page hash -> object names (see object_names)
+        self._one = self.segments[0] if len(self.segments) == 1 and not self.is_marker else None
 
     @property
     def page_size(self) -> int:
@@ -124,8 +135,19 @@ class PoolCodec:
         return self.namespace.shard_mode is ShardMode.REPLICATED
 
     def object_names(self, page_hash: str) -> list[str]:
+        """Object names of a page (a bounded cache: a get usually follows an exists or a set of
+        the same keys, and deriving a name costs a sha256 or two). Do not mutate the list."""
+        names = self._names.get(page_hash)
+        if names is not None:
+            return names
         stem = self.keys.stem(page_hash)
-        return [stem + s.suffix for s in self.segments]
+        if self.grouped:
+            stem = page_group(page_hash) + GROUP_SEPARATOR + stem
+        names = [stem + s.suffix for s in self.segments]
+        if len(self._names) >= NAME_CACHE_PAGES:
+            self._names.clear()  # cheaper than LRU order upkeep on every lookup; refills at once
+        self._names[page_hash] = names
+        return names
 
     def page_slots(self, keys: list[str], host_indices) -> list[int]:
         """First host slot of each page; ValueError unless indices are whole pages, one per key."""
@@ -144,6 +166,9 @@ class PoolCodec:
         return [self.page_io(slot, page_names) for slot, page_names in zip(slots, names)]
 
     def page_io(self, slot: int, names: list[str]) -> PageIO:
+        if self._one is not None:  # one object per page: its views are the page's chunks
+            views, ptrs = self.page_views.chunks(slot // self.page_size)
+            return PageIO(self, slot, [ObjectIO(names[0], views, ptrs, self._one.nbytes)])
         views, ptrs = self.page_views.chunks(slot // self.page_size) if not self.is_marker else ([], [])
         objects = [
             ObjectIO(name, views[s.first_chunk : s.first_chunk + s.num_chunks],

@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 
 # O_NOATIME: reading a page does not dirty its inode (with relatime the first read after a write
 # would). Only the file's owner may use it; other files are opened without it.
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 
@@ -22,10 +23,41 @@ def make_buckets(root: str) -> None:
         os.makedirs(os.path.join(root, f"{i:02x}"), exist_ok=True)
 
 
+def prepare_root(root: str, where: str, key: str) -> bool:
+    """Create ``root`` (and its buckets when it is writable); return whether it is writable.
+    ValueError naming the directory and ``key`` when it cannot be created, is not a directory or
+    cannot be read. A read-only root is not an error: the backend serves reads from it."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{where}: extra config key {key!r}: directory {root} does not exist and cannot be "
+                         f"created ({exc.strerror})") from None
+    if not os.path.isdir(root) or not os.access(root, os.R_OK | os.X_OK):
+        raise ValueError(f"{where}: extra config key {key!r}: {root} is not a readable directory")
+    if not is_writable(root):
+        return False
+    try:
+        make_buckets(root)
+    except OSError:
+        return False
+    return True
+
+
+def is_writable(root: str) -> bool:
+    """Whether a file can be created in ``root`` (a read-only mount or mode says no)."""
+    path = os.path.join(root, f".write_probe.{os.getpid()}.{threading.get_ident()}")
+    try:
+        os.close(os.open(path, _CREATE_FLAGS, 0o644))
+    except OSError:
+        return False
+    unlink_quiet(path)
+    return True
+
+
 def open_read(path: str, extra_flags: int = 0) -> int:
     """An fd for reading ``path``; FileNotFoundError when it is absent."""
     try:
-        return os.open(path, _READ_FLAGS | extra_flags)
+        return os.open(path, READ_FLAGS | extra_flags)
     except PermissionError:
         return os.open(path, os.O_RDONLY | extra_flags)
 
@@ -39,11 +71,13 @@ def create_exclusive(path: str, extra_flags: int = 0) -> int:
         return os.open(path, _CREATE_FLAGS | extra_flags, 0o644)
 
 
-def unlink_quiet(path: str) -> None:
+def unlink_quiet(path: str) -> bool:
+    """Best-effort removal; whether a file was removed (absent or not removable: False)."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+        return True
+    except OSError:  # absent, or a read-only directory: the caller's miss stands either way
+        return False
 
 
 class CommitLock:

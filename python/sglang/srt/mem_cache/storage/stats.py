@@ -16,6 +16,9 @@ class StorageCounters:
     bytes_written: int = 0  # payload bytes stored
     failures: int = 0  # backend faults (I/O errors, transfer errors, exceptions)
     corruptions: int = 0  # objects that failed their integrity check and were removed
+    timeouts: int = 0  # calls that missed because the endpoint did not answer in time (also failures)
+    groups_evicted: int = 0  # page groups (every object of a page, all pools) removed for capacity
+    bytes_evicted: int = 0  # stored bytes (payload and trailers) those groups held
 
 
 class StorageStats:

@@ -45,6 +45,16 @@ class LRUEvictor:
             if name in self._entries:
                 self._entries.move_to_end(name)
 
+    def touch_many(self, names: list[str]) -> None:
+        """:meth:`touch` each of ``names``, in order, under one lock."""
+        if not names:
+            return
+        with self._lock:
+            entries = self._entries
+            for name in names:
+                if name in entries:
+                    entries.move_to_end(name)
+
     def forget(self, name: str) -> None:
         with self._lock:
             self.used_bytes -= self._entries.pop(name, 0)

@@ -15,10 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from sglang.srt.mem_cache.hicache_storage import StorageBackendError
-from sglang.srt.mem_cache.storage.integrity import page_digest, page_is_whole
+from sglang.srt.mem_cache.storage import batch_trailers
+from sglang.srt.mem_cache.storage.integrity import page_is_whole
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage.nixl.bounded_calls import StorageUnavailable
+from sglang.srt.mem_cache.storage.nixl.capacity import StoreCapacity, group_of
 from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, StorageKind, parse_nixl_options
 from sglang.srt.mem_cache.storage.nixl.nixl_io import NixlIO
 from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext, build_context
@@ -49,14 +55,22 @@ class HiCacheNixl(PagedStorage):
         kind = self.options.spec.kind
         self.side = SIDES[kind](self.options)
         if self.options.use_direct_io is DirectIO.TRUE and kind is StorageKind.FILE and not self.side.direct_supported:
-            raise ValueError(f"nixl backend: extra config key 'use_direct_io' is true but {self.options.storage_dir} "
-                             f"does not support O_DIRECT; allowed: auto, false")
+            why = "is read-only" if self.side.read_only else "does not support O_DIRECT"
+            raise ValueError(f"nixl backend: extra config key 'use_direct_io' is true but "
+                             f"{', '.join(self.options.storage_dirs)} {why}; allowed: auto, false")
+        self.grouped_names = kind is StorageKind.FILE  # page groups: one directory, evicted together
         self.precheck_reads = PRECHECK_READS[kind]
         self.io = NixlIO(self.options, self._preferred_params())
         self.contexts: dict[PoolName, NixlPoolContext] = {}
         self._read_lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._reader: ThreadPoolExecutor | None = None
+        self.capacity = None
         super().__init__(storage_config, mem_pool_host)
+        if kind is StorageKind.FILE:
+            c = storage_config
+            self.capacity = StoreCapacity(self.side, self.options, evicts=(c.tp_rank, c.pp_rank, c.attn_cp_rank) == (0, 0, 0),
+                                          shared=c.tp_size * c.pp_size * c.attn_cp_size > 1, stats=self.stats)
 
     def _preferred_params(self) -> tuple[dict, ...]:
         """With O_DIRECT possible and no I/O engine chosen, try io_uring first: the POSIX
@@ -69,7 +83,7 @@ class HiCacheNixl(PagedStorage):
 
     def _on_register(self, codec: PoolCodec) -> None:
         ctx = build_context(codec, self.options, self.side.direct_supported, TRAILER_BYTES)
-        self.io.register_dram([ctx.set_area.tensor, ctx.get_area.tensor])
+        self.io.register_dram([a.tensor for a in (ctx.set_area, ctx.get_area, ctx.get_area_alt) if a is not None])
         if ctx.zero_copy:
             self.io.register_dram(codec.host_pool.get_host_buffers())
         self.contexts[codec.name] = ctx
@@ -89,6 +103,8 @@ class HiCacheNixl(PagedStorage):
         self.stats.add(corruptions=1)
         logger.warning("HiCacheNixl: %s failed its integrity check; removed", name)
         self.side.remove(name)
+        if self.capacity is not None:
+            self.capacity.forget(name)
 
     # ---- moving planned pages -----------------------------------------------------------
     def _chunks(self, pages: list[PageIO]):
@@ -107,12 +123,17 @@ class HiCacheNixl(PagedStorage):
             yield chunk
 
     def _move(self, op: str, planned: list[Planned]) -> list[bool]:
-        """One transfer for every planned page; on failure, page by page to isolate the bad ones."""
+        """One transfer for every planned page; on failure, page by page to isolate the bad ones
+        (not when the endpoint is unavailable: every page would wait out the timeout again)."""
         if not planned:
             return []
         try:
             self.io.transfer(op, *descriptors(planned))
             return [True] * len(planned)
+        except StorageUnavailable as exc:
+            self.stats.add(failures=1, timeouts=1)
+            logger.debug("HiCacheNixl: %s of %d pages: %s", op, len(planned), exc)
+            return [False] * len(planned)
         except StorageBackendError as exc:
             if len(planned) > 1:
                 logger.info("HiCacheNixl: %s of %d pages failed (%s); retrying page by page", op, len(planned), exc)
@@ -132,12 +153,66 @@ class HiCacheNixl(PagedStorage):
 
     # ---- read ---------------------------------------------------------------------------
     def _read_pages(self, pages: list[PageIO]) -> list[bool]:
+        """Chunk after chunk; with zero-copy pools only, the next chunk moves on a reader thread
+        (NIXL releases the GIL while it copies) while this thread verifies the previous one,
+        each in its own get area."""
         with self._read_lock:
             done: dict[int, bool] = {}
-            for chunk in self._chunks(pages):
-                planned, moved = self._transfer_read(chunk)
-                done.update((id(page), self._check_page(page, items, ok)) for (page, items), ok in zip(planned, moved))
+            chunks = list(self._chunks(pages))
+            if len(chunks) < 2 or not all(c.get_area_alt is not None for c in self.contexts.values()):
+                for chunk in chunks:
+                    self._settle_chunk(*self._transfer_read(chunk), done)
+                return [done.get(id(p), False) for p in pages]
+            reader = self._reader_pool()
+            future = reader.submit(self._transfer_read, chunks[0], False)
+            try:
+                for k in range(len(chunks)):
+                    planned, moved = future.result()
+                    if k + 1 < len(chunks):
+                        future = reader.submit(self._transfer_read, chunks[k + 1], k % 2 == 0)
+                    self._settle_chunk(planned, moved, done)
+            finally:
+                future.exception()  # never return while a transfer still writes host memory
             return [done.get(id(p), False) for p in pages]
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-read")
+        return self._reader
+
+    def _settle_chunk(self, planned: list[Planned], moved: list[bool], done: dict[int, bool]) -> None:
+        """Verify a read chunk (batch check, then page by page for the pages that failed it)."""
+        good = self._batch_verified([pi for pi, ok in zip(planned, moved) if ok])
+        touched = []
+        for (page, items), ok in zip(planned, moved):
+            if ok and id(page) in good:
+                for item in items:
+                    item.unbounce()
+                touched.append(items[0].obj.name)
+                done[id(page)] = True
+            else:
+                done[id(page)] = self._check_page(page, items, ok)
+        if self.capacity is not None and touched:
+            self.capacity.touched(touched)
+
+    @staticmethod
+    def _batch_verified(planned: list[Planned]) -> set[int]:
+        """ids of the pages whose every object matches its one valid trailer (checked for the
+        whole chunk at once, ``batch_trailers``); the others go through :meth:`_check_page`."""
+        items = [item for _, page_items in planned for item in page_items]
+        if not items:
+            return set()
+        sums = batch_trailers.checksums([item.payload() for item in items])
+        digests = batch_trailers.digests(sums, [len(page_items) for _, page_items in planned])
+        expected = batch_trailers.build([i.obj.name for i in items], [i.obj.nbytes for i in items], sums, digests,
+                                        TRAILER_BYTES)
+        good = batch_trailers.matches(np.stack([item.trailer for item in items]), expected).tolist()
+        out, i = set(), 0
+        for page, page_items in planned:
+            if all(good[i : i + len(page_items)]):
+                out.add(id(page))
+            i += len(page_items)
+        return out
 
     def _absent(self, pages: list[PageIO]) -> set[str]:
         if not self.precheck_reads:
@@ -163,9 +238,10 @@ class HiCacheNixl(PagedStorage):
             items[-1].prepare_read()
         return items
 
-    def _transfer_read(self, pages: list[PageIO]) -> tuple[list[Planned], list[bool]]:
-        """Open and read one chunk; (planned pages, whether each one's transfer succeeded)."""
-        absent, counter, planned = self._absent(pages), SlotCounter(), []
+    def _transfer_read(self, pages: list[PageIO], alt: bool = False) -> tuple[list[Planned], list[bool]]:
+        """Open and read one chunk into the (``alt``: second) get area; (planned pages,
+        whether each one's transfer succeeded)."""
+        absent, counter, planned = self._absent(pages), SlotCounter(alt), []
         try:
             for page in pages:
                 items = self._open_page(page, absent, counter)
@@ -184,6 +260,8 @@ class HiCacheNixl(PagedStorage):
         if ok:
             for item in items:
                 item.unbounce()
+            if self.capacity is not None:
+                self.capacity.touched([items[0].obj.name])
         elif self.contexts[page.codec.name].zero_copy:
             page.zero()  # no unverified byte stays in the host pool
         return ok
@@ -201,10 +279,19 @@ class HiCacheNixl(PagedStorage):
 
     # ---- write --------------------------------------------------------------------------
     def _write_pages(self, pages: list[PageIO]) -> list[bool]:
+        if getattr(self.side, "read_only", False):
+            return [False] * len(pages)
         with self._write_lock:
             flags = []
             for chunk in self._chunks(pages):
-                flags.extend(self._write_chunk(chunk))
+                if self.capacity is not None:
+                    self.capacity.make_room({group_of(p.objects[0].name) for p in chunk},
+                                            sum(p.nbytes + TRAILER_BYTES * len(p.objects) for p in chunk))
+                written = self._write_chunk(chunk)
+                if self.capacity is not None:
+                    self.capacity.written([(o.name, o.nbytes + TRAILER_BYTES)
+                                           for p, ok in zip(chunk, written) if ok for o in p.objects])
+                flags.extend(written)
             return flags
 
     def _write_chunk(self, pages: list[PageIO]) -> list[bool]:
@@ -215,8 +302,7 @@ class HiCacheNixl(PagedStorage):
                 planned.append((page, items))
                 for obj in page.objects:
                     items.append(counter.item(obj, ctx, self.side.open_write(obj.name, ctx.direct), True, TRAILER_BYTES))
-            for _, items in planned:
-                _stage_page(items)
+            _stage_chunk(planned)
             moved = self._move("WRITE", planned)
         except Exception:  # noqa: BLE001 - whatever failed, the temporaries below are closed and dropped
             self.stats.add(failures=1)
@@ -244,14 +330,24 @@ class HiCacheNixl(PagedStorage):
         self.side.clear()
 
     def _close(self) -> None:
+        if self.capacity is not None:
+            self.capacity.close()
         with self._read_lock, self._write_lock:
+            if self._reader is not None:
+                self._reader.shutdown(wait=True)
             self.io.close()
             self.side.close()
 
 
-def _stage_page(items: list[Item]) -> None:
-    """Payloads into their slots (bounce) and the trailers, bound by the page's digest."""
-    checksums = [item.stage_payload() for item in items]
-    digest = page_digest(checksums)
-    for item, checksum in zip(items, checksums):
-        item.stage_trailer(checksum, digest)
+def _stage_chunk(planned: list[Planned]) -> None:
+    """Payloads into their slots (bounce) and the trailers of a whole chunk, each bound by its
+    page's digest (built at once, ``batch_trailers``)."""
+    items = [item for _, page_items in planned for item in page_items]
+    if not items:
+        return
+    sums = [item.stage_payload() for item in items]
+    digests = batch_trailers.digests(sums, [len(page_items) for _, page_items in planned])
+    trailers = batch_trailers.build([i.obj.name for i in items], [i.obj.nbytes for i in items], sums, digests,
+                                    TRAILER_BYTES)
+    for item, trailer in zip(items, trailers):
+        item.trailer[:] = trailer

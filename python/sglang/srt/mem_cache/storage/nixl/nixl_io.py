@@ -2,6 +2,8 @@
 
 This is the adapter boundary: every NIXL error (an exception, an "ERR" state, a timeout) leaves
 as :class:`StorageBackendError`. NIXL is imported here, when a backend is built, not before.
+Every call that can wait on a remote endpoint (registration, query, transfer) finishes, or fails
+with :class:`StorageUnavailable`, within ``transfer_timeout_s`` (``bounded_calls.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import uuid
 import numpy as np
 
 from sglang.srt.mem_cache.hicache_storage import StorageBackendError
-from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
+from sglang.srt.mem_cache.storage.nixl.bounded_calls import BoundedCalls, StorageUnavailable
+from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions, StorageKind
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class NixlIO:
         self.backend = spec.nixl_name
         self.mem_type = spec.kind.value
         self.timeout_s = options.transfer_timeout_s
+        self.calls = BoundedCalls(self.timeout_s, remote=spec.kind is StorageKind.OBJ)
         self._dram_regs = []
         logger.info("NIXL agent %s with plugin %s", self.agent.name, spec.nixl_name)
 
@@ -70,39 +74,60 @@ class NixlIO:
         if tensors:
             self._dram_regs.append(self._call("register host memory", self.agent.register_memory, tensors))
 
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
     def transfer(self, op: str, dram: list[tuple[int, int]], storage: list[tuple[int, int, int]],
                  storage_regs: list[tuple[int, int, int, str]]) -> None:
         """One ``op`` ("READ" or "WRITE") moving ``dram[i]`` = (ptr, len) <-> ``storage[i]`` =
         (offset, len, dev_id); ``storage_regs`` = (0, 0, dev_id, meta) are registered for the
-        duration. Returns when done; StorageBackendError on failure or timeout (all or nothing)."""
+        duration. Returns when done; StorageBackendError on failure, StorageUnavailable when it
+        did not finish within ``transfer_timeout_s`` (all or nothing). A transfer that timed out
+        keeps its handle and registration until NIXL reports it ended (see BoundedCalls)."""
         if not dram:
             return
+        deadline = self._deadline()
         local = np.array([(p, n, 0) for p, n in dram], dtype=np.uint64)
         remote = np.array(storage, dtype=np.uint64)
-        reg = self._call("register storage", self.agent.register_memory, storage_regs, self.mem_type)
-        handle = None
+        reg = self._call("register storage", self.agent.register_memory, storage_regs, self.mem_type, deadline=deadline)
+        handle, settled = None, True
         try:
             local_descs = self.agent.get_xfer_descs(local, "DRAM")
             remote_descs = self.agent.get_xfer_descs(remote, self.mem_type)
-            handle = self._call(f"{op} setup", self.agent.initialize_xfer, op, local_descs, remote_descs, self.agent.name)
-            self._wait(op, handle, self._call(f"{op} post", self.agent.transfer, handle))
+            handle = self._call(f"{op} setup", self.agent.initialize_xfer, op, local_descs, remote_descs,
+                                self.agent.name, deadline=deadline)
+            self._wait(op, handle, self._call(f"{op} post", self.agent.transfer, handle, deadline=deadline), deadline)
+        except StorageUnavailable:
+            if handle is not None and not self._settled(handle, reg):
+                settled = False
+                self.calls.overdue(op, lambda: self._settled(handle, reg))
+            raise
         finally:
-            if handle is not None:
-                _quiet(handle.release)
-            _quiet(self.agent.deregister_memory, reg)
+            if settled:
+                if handle is not None:
+                    _quiet(handle.release)
+                _quiet(self.agent.deregister_memory, reg)
 
-    def _wait(self, op: str, handle, state: str) -> None:
+    def _settled(self, handle, reg) -> bool:
+        """Whether a timed-out transfer has ended; releases it (and its registration) once so."""
+        if self.agent is None or self.agent.check_xfer_state(handle) == "PROC":
+            return self.agent is None
+        _quiet(handle.release)
+        _quiet(self.agent.deregister_memory, reg)
+        return True
+
+    def _wait(self, op: str, handle, state: str, deadline: float | None = None) -> None:
         start = time.monotonic()
-        spin_until, deadline = start + _SPIN_S, start + self.timeout_s
+        spin_until, deadline = start + _SPIN_S, start + self.timeout_s if deadline is None else deadline
         polls = 0
         while state == "PROC":
             now = time.monotonic()
             if now > deadline:
-                raise StorageBackendError(f"NIXL {self.backend} {op} timed out after {self.timeout_s}s")
+                raise StorageUnavailable(f"NIXL {self.backend} {op} timed out after {self.timeout_s}s")
             if now > spin_until:
                 polls += 1
                 time.sleep(0 if polls < _YIELD_POLLS else _POLL_SLEEP_S)
-            state = self._call(f"{op} poll", self.agent.check_xfer_state, handle)
+            state = self._local_call(f"{op} poll", self.agent.check_xfer_state, handle)
         if state != "DONE":
             raise StorageBackendError(f"NIXL {self.backend} {op} ended in state {state}")
 
@@ -112,7 +137,12 @@ class NixlIO:
             return []
         return list(self._call("query", self.agent.query_memory, regs, self.backend, self.mem_type))
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn, *args, deadline: float | None = None):
+        """``fn(*args)`` bounded by ``deadline`` (default: transfer_timeout_s from now)."""
+        deadline = self._deadline() if deadline is None else deadline
+        return self._local_call(what, self.calls.run, what, deadline, fn, *args)
+
+    def _local_call(self, what: str, fn, *args):
         try:
             return fn(*args)
         except StorageBackendError:
@@ -121,6 +151,11 @@ class NixlIO:
             raise StorageBackendError(f"NIXL {self.backend} {what} failed: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
+        if self.calls.unavailable:  # a call still inside NIXL may touch these; leave them to the process
+            logger.warning("NIXL agent %s closed with a transfer still outstanding", self.agent.name)
+            self._dram_regs.clear()
+            self.agent = None
+            return
         for reg in self._dram_regs:
             _quiet(self.agent.deregister_memory, reg)
         self._dram_regs.clear()

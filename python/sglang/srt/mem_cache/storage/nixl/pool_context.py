@@ -9,8 +9,9 @@
   dtype, and copied to or from the host pool byte for byte.
 
 Each context has two staging areas, one for set and one for get, so the backup and prefetch
-threads never share one. O_DIRECT is used for a pool when the extra config allows it, the
-filesystem supports it, and every offset, length and address of its objects is 4096-aligned.
+threads never share one (a zero-copy context has a second, small get area, for pipelined
+reads). O_DIRECT is used for a pool when the extra config allows it, the filesystem supports
+it, and every offset, length and address of its objects is 4096-aligned.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class NixlPoolContext:
     direct: bool
     set_area: StagingArea
     get_area: StagingArea
+    # zero-copy only (trailer slots, a few KiB): a second get area, so that the next chunk of a
+    # read can move while the previous one is verified (HiCacheNixl._read_pages)
+    get_area_alt: StagingArea | None = None
 
 
 def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool, trailer_bytes: int) -> NixlPoolContext:
@@ -71,12 +75,14 @@ def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool
     largest = max(s.nbytes for s in codec.segments)
     slot_bytes = trailer_bytes if zero_copy else round_up(largest + trailer_bytes)
     slots = options.bounce_pages * len(codec.segments)
-    ctx = NixlPoolContext(codec, zero_copy, direct, StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots))
+    ctx = NixlPoolContext(codec, zero_copy, direct, StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots),
+                          StagingArea(slot_bytes, slots) if zero_copy else None)
     logger.info(
-        "HiCacheNixl pool %s: %s, O_DIRECT %s, staging 2 x %.1f MiB",
+        "HiCacheNixl pool %s: %s, O_DIRECT %s, staging %d x %.1f MiB",
         codec.name.value,
         "zero-copy" if zero_copy else "bounce buffers",
         "on" if direct else "off",
+        3 if zero_copy else 2,
         slot_bytes * slots / (1 << 20),
     )
     return ctx

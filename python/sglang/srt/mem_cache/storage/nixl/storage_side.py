@@ -2,7 +2,8 @@
 
 Each side turns an object name into a NIXL device id + metadata for one transfer and makes
 writes atomic: POSIX writes a private temporary file and renames it over the final name; an
-S3 PUT is atomic by itself. Files live at ``<root>/<name[:2]>/<name>``.
+S3 PUT is atomic by itself. Files live at ``<root>/<name[:2]>/<name>``, the root chosen from
+``storage_dirs`` by the name's page group.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
-from sglang.srt.mem_cache.storage.posix_files import CommitLock, create_exclusive, make_buckets, open_read, unlink_quiet
+from sglang.srt.mem_cache.storage.posix_files import CommitLock, create_exclusive, open_read, prepare_root, unlink_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +36,42 @@ class Target:
 
 
 class PosixSide:
-    """Files under a root directory; the device id is an open file descriptor."""
+    """Files under one or more root directories; the device id is an open file descriptor.
+
+    A name starts with its page group (``PoolCodec``, grouped), so every object of a page hash
+    lands in one bucket of one root: ``<roots[route(name)]>/<name[:2]>/<name>``. The route is a
+    stable hash of the group, so a reopened store with the same ``storage_dirs`` finds every page.
+    A root that cannot be written (read-only mount or mode) makes the store read-only: reads are
+    served, writes miss (``read_only``)."""
 
     def __init__(self, options: NixlOptions):
-        self.root = options.storage_dir
-        os.makedirs(self.root, exist_ok=True)
-        make_buckets(self.root)
-        self.direct_supported = probe_direct_io(self.root)
+        self.roots = options.storage_dirs
+        self.root = self.roots[0]
+        key = "storage_dirs" if len(self.roots) > 1 else "storage_dir"
+        writable = [prepare_root(r, "nixl backend", key) for r in self.roots]
+        self.read_only = not all(writable)
+        if self.read_only:
+            logger.warning("HiCacheNixl: %s not writable: serving reads only, every set is a miss",
+                           ", ".join(r for r, w in zip(self.roots, writable) if not w))
+        self.direct_supported = not self.read_only and all(probe_direct_io(r) for r in self.roots)
         self._tmp_ids = itertools.count()
         self._pid = os.getpid()
-        self._commit_lock = CommitLock(self.root)
+        self._commit_lock = None if self.read_only else CommitLock(self.root)
 
     def commit_lock(self):
         """Held while a batch of written objects is renamed into place (see CommitLock)."""
-        return self._commit_lock.held()
+        return contextlib.nullcontext() if self._commit_lock is None else self._commit_lock.held()
 
     def close(self) -> None:
-        self._commit_lock.close()
+        if self._commit_lock is not None:
+            self._commit_lock.close()
+
+    def root_of(self, name: str) -> str:
+        """The root of ``name``'s page group (names are hex: digits 2-9 of the group pick it)."""
+        return self.roots[int(name[2:10], 16) % len(self.roots)] if len(self.roots) > 1 else self.root
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name[:2]}/{name}"
+        return f"{self.root_of(name)}/{name[:2]}/{name}"
 
     def sizes(self, io, names: list[str]) -> list[int | None]:
         """Stored size of each object (None when absent)."""
@@ -92,11 +109,17 @@ class PosixSide:
     def remove(self, name: str) -> None:
         unlink_quiet(self.path(name))
 
+    def buckets(self):
+        """Every bucket directory of every root (DirEntry)."""
+        for root in self.roots:
+            for bucket in os.scandir(root):
+                if bucket.is_dir() and len(bucket.name) == 2:
+                    yield bucket
+
     def clear(self) -> None:
-        for bucket in os.scandir(self.root):
-            if bucket.is_dir() and len(bucket.name) == 2:
-                for entry in os.scandir(bucket.path):
-                    unlink_quiet(entry.path)
+        for bucket in self.buckets():
+            for entry in os.scandir(bucket.path):
+                unlink_quiet(entry.path)
 
 
 class ObjSide:
@@ -106,6 +129,7 @@ class ObjSide:
 
     def __init__(self, options: NixlOptions):
         self.params = options.plugin_params
+        self.timeout_s = options.transfer_timeout_s
         self._ids = itertools.count(1)
         self._client = None
 
@@ -154,6 +178,7 @@ class ObjSide:
         if self._client is None:
             try:
                 import boto3
+                from botocore.config import Config
             except ImportError:
                 return None
             p = self.params
@@ -166,6 +191,9 @@ class ObjSide:
                 region_name=p.get("region"),
                 aws_access_key_id=p.get("access_key"),
                 aws_secret_access_key=p.get("secret_key"),
+                # bounded like the NIXL calls: a dead endpoint costs one timeout, not SDK retries
+                config=Config(connect_timeout=self.timeout_s, read_timeout=self.timeout_s,
+                              retries={"max_attempts": 1}),
             )
         return self._client
 

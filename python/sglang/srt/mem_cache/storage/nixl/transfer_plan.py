@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sglang.srt.mem_cache.storage.integrity import pack_trailer, payload_checksum, poison_trailer, read_trailer
+from sglang.srt.mem_cache.storage.integrity import payload_checksum, poison_trailer, read_trailer
 from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext
 from sglang.srt.mem_cache.storage.nixl.storage_side import Target
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO
@@ -64,10 +64,6 @@ class Item:
                 offset += view.nbytes
         return payload_checksum(self.payload())
 
-    def stage_trailer(self, checksum: int, page_digest: int) -> None:
-        trailer = pack_trailer(self.obj.name, self.obj.nbytes, checksum, page_digest, self.trailer_bytes)
-        self.trailer[:] = np.frombuffer(trailer, dtype=np.uint8)
-
     def read_result(self) -> tuple[int, int] | None:
         """(checksum, page digest) when the object read verifies, else None."""
         return read_trailer(self.trailer, self.obj.name, self.payload(), self.obj.nbytes)
@@ -99,14 +95,17 @@ def descriptors(planned: list[Planned]) -> tuple[list, list, list]:
 
 
 class SlotCounter:
-    """Hands out consecutive staging slots per pool within one chunk."""
+    """Hands out consecutive staging slots per pool within one chunk (``alt``: reads use the
+    context's second get area)."""
 
-    def __init__(self):
+    def __init__(self, alt: bool = False):
         self._next: dict = {}
+        self._alt = alt
 
     def item(self, obj: ObjectIO, ctx: NixlPoolContext, target: Target, write: bool, trailer_bytes: int) -> Item:
         """The Item of ``obj`` moving through ``target``, on the next free slot of ``ctx``."""
         i = self._next.get(ctx.codec.name, 0)
         self._next[ctx.codec.name] = i + 1
-        slot, ptr = (ctx.set_area if write else ctx.get_area).slot(i)
+        area = ctx.set_area if write else (ctx.get_area_alt if self._alt else ctx.get_area)
+        slot, ptr = area.slot(i)
         return Item(obj, ctx.zero_copy, target, slot, ptr, trailer_bytes)
