@@ -2,13 +2,17 @@
 
     python scripts/bench/bench_multiturn.py --url http://127.0.0.1:30000 \\
         --num-clients 8 --num-rounds 6 --request-length 256 --output-length 16 \\
-        [--request-rate 2.0] [--round-barrier] [--json FILE]
+        [--system-prompt-length 600] [--request-rate 2.0] [--round-barrier] \\
+        [--noisy-neighbours 4] [--json FILE]
 
-N clients hold one conversation each. In round r a client sends its whole history (earlier
+N clients hold one conversation each. Every conversation starts with the same
+``--system-prompt-length`` token ids; in round r a client sends its whole history (earlier
 prompts and answers) plus a new question of ``--request-length`` token ids, streamed from
 ``/generate``. Requests leave as a Poisson process of ``--request-rate`` per second (inf: as
 soon as a client is ready); with ``--round-barrier`` no client starts round r+1 before every
-client finished round r. Reports TTFT and inter-token latency percentiles, input/output
+client finished round r (the closed-loop case: with ``--request-rate inf`` each round's
+requests leave at once). ``--noisy-neighbours N`` runs N neighbour processes (CPU-bound and
+file-I/O, alternating; ``noisy_neighbours.py``) for the duration of the run. Reports TTFT and inter-token latency percentiles, input/output
 throughput, and the cache hit rate (cached prompt tokens / prompt tokens) overall, per round
 and per tier. ``reusable_fraction`` is the hit rate of an ideal prefix cache of this engine:
 every earlier token of the conversation whose KV was computed (all but the last answer token),
@@ -25,6 +29,11 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from noisy_neighbours import NoisyNeighbours  # noqa: E402
 
 TIERS = ("device", "host", "storage")
 
@@ -40,6 +49,7 @@ class Record:
     ttft: float = 0.0
     itls: list = field(default_factory=list)
     latency: float = 0.0
+    output_ids: list = field(default_factory=list)
 
 
 class PoissonGate:
@@ -98,6 +108,7 @@ async def run_clients(args, info: dict) -> tuple[list[Record], float]:
 
     rng = random.Random(args.seed)
     vocab, page = info["vocab_size"], info["page_size"]
+    system = [rng.randrange(3, vocab) for _ in range(args.system_prompt_length)]
     questions = [[[rng.randrange(3, vocab) for _ in range(args.request_length)] for _ in range(args.num_rounds)]
                  for _ in range(args.num_clients)]
     gate = PoissonGate(args.request_rate, random.Random(args.seed + 1))
@@ -106,7 +117,7 @@ async def run_clients(args, info: dict) -> tuple[list[Record], float]:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
 
     async def client(c: int, session) -> None:
-        history: list[int] = []
+        history: list[int] = list(system)
         for r in range(args.num_rounds):
             if barrier is not None:
                 await barrier.wait()
@@ -114,6 +125,7 @@ async def run_clients(args, info: dict) -> tuple[list[Record], float]:
             rec = Record(c, r, len(prompt), reusable(len(history), len(prompt), page))
             await gate.wait()
             output = await stream_generate(session, args.url, prompt, args.output_length, rec)
+            rec.output_ids = output
             records.append(rec)
             history = prompt + output
 
@@ -159,7 +171,8 @@ def summarize(records: list[Record], wall: float) -> dict:
 
 
 def print_report(name: str, s: dict) -> None:
-    print(f"== {name}: {s['num_requests']} requests in {s['wall_s']:.1f} s")
+    noisy = f", {s['noisy_neighbours']} noisy neighbours" if s.get("noisy_neighbours") else ""
+    print(f"== {name}: {s['num_requests']} requests in {s['wall_s']:.1f} s{noisy}")
     print(f"  TTFT  p50 {s['ttft_p50']:.3f}  p90 {s['ttft_p90']:.3f}  p99 {s['ttft_p99']:.3f} s")
     print(f"  ITL   p50 {s['itl_p50'] * 1e3:.1f}  p90 {s['itl_p90'] * 1e3:.1f}  p99 {s['itl_p99'] * 1e3:.1f} ms")
     print(f"  throughput  input {s['input_throughput']:.0f} tok/s  output {s['output_throughput']:.1f} tok/s")
@@ -174,12 +187,15 @@ def print_report(name: str, s: dict) -> None:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-clients", type=int, default=8)
     parser.add_argument("--num-rounds", type=int, default=6)
+    parser.add_argument("--system-prompt-length", type=int, default=0, help="tokens every conversation starts with")
     parser.add_argument("--request-length", type=int, default=256, help="new question tokens per round")
     parser.add_argument("--output-length", type=int, default=16, help="answer tokens per round")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (requests/s)")
     parser.add_argument("--round-barrier", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0, help="per-request timeout (s)")
+    parser.add_argument("--noisy-neighbours", type=int, default=0,
+                        help="neighbour processes (CPU-bound and file-I/O, alternating) during the run")
 
 
 def bench(url: str, args) -> dict:
@@ -188,8 +204,12 @@ def bench(url: str, args) -> dict:
     args.url = url
     info = requests.get(url + "/get_server_info", timeout=30).json()
     requests.post(url + "/flush_cache", timeout=30).raise_for_status()
-    records, wall = asyncio.run(run_clients(args, info))
-    return summarize(records, wall)
+    with NoisyNeighbours(getattr(args, "noisy_neighbours", 0)):
+        records, wall = asyncio.run(run_clients(args, info))
+    summary = summarize(records, wall)
+    summary["noisy_neighbours"] = getattr(args, "noisy_neighbours", 0)
+    summary["outputs"] = {f"{r.client}/{r.round}": r.output_ids for r in records}
+    return summary
 
 
 def main(argv=None) -> int:

@@ -2,15 +2,24 @@
 
     OMP_NUM_THREADS=1 python scripts/bench/bench_multiturn_hicache.py --json out.json
     python scripts/bench/bench_multiturn_hicache.py --model-path DIR --device-tokens 4096 ...
+    # issue 9's closed-loop case: 8 conversations x 4 rounds, each round's requests at once
+    python scripts/bench/bench_multiturn_hicache.py --model-path DIR --device-tokens 1100 \\
+        --num-clients 8 --num-rounds 4 --system-prompt-length 600 --request-length 80 \\
+        --output-length 24 --round-barrier --repeat 3 [--noisy-neighbours 4]
 
 Starts a server with a device pool of ``--device-tokens`` (smaller than the conversations'
 working set) and the plain radix cache, runs bench_multiturn.py against it, stops it, then does
 the same with ``--enable-hierarchical-cache`` (host pool ``--hicache-ratio`` times the device
-pool), and prints both reports and the ratios. Without ``--model-path`` it builds a model where
+pool, plus every ``--hicache-flag``), and prints both reports and the ratios. With ``--repeat K``
+the off / on pair runs K times, interleaved (off, on, off, on, ...), and the ratios are medians:
+on a shared host that is what makes them comparable. ``--noisy-neighbours N`` runs N neighbour
+processes beside the server during every run. Without ``--model-path`` it builds a model where
 prefill dominates (make_tiny_model --hidden 512 --layers 8, as in docs/engine.md).
 
-``--json`` writes ttft_p50_off, ttft_p50_on, ttft_ratio (on / off), throughput_ratio (on / off,
-prompt + answer tokens per second), hit_rate (on), reusable_fraction, and both full reports.
+``--json`` writes ttft_p50_off, ttft_p50_on, ttft_ratio (on / off, TTFT p50), ttft_p90_ratio,
+wall_ratio (on / off, wall time of a run), throughput_ratio (on / off, prompt + answer tokens per
+second), hit_rate (on), reusable_fraction, outputs_identical (every answer the same on and off),
+the per-repeat ratios, and the first pair's full reports.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -40,6 +50,16 @@ def run_server(model: str, flags: list[str], args) -> dict:
         return bench(srv.url, args)
 
 
+def tput(s: dict) -> float:
+    return s["input_throughput"] + s["output_throughput"]
+
+
+def ratios(off: dict, on: dict) -> dict:
+    return {"ttft_ratio": on["ttft_p50"] / off["ttft_p50"], "ttft_p90_ratio": on["ttft_p90"] / off["ttft_p90"],
+            "wall_ratio": on["wall_s"] / off["wall_s"], "throughput_ratio": tput(on) / tput(off),
+            "outputs_identical": on["outputs"] == off["outputs"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", help="default: a prefill-dominated model built into a temp dir")
@@ -47,30 +67,44 @@ def main(argv=None) -> int:
     parser.add_argument("--hicache-ratio", type=float, default=8.0)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for both servers")
+    parser.add_argument("--hicache-flag", action="append", default=[], help="extra flag for the HiCache server")
+    parser.add_argument("--repeat", type=int, default=1, help="off/on pairs, interleaved; ratios are medians")
     parser.add_argument("--json", help="write the ratios and reports to this file")
     add_workload_args(parser)
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     tmp = tempfile.TemporaryDirectory(prefix="bench-multiturn-")
     model = args.model_path or make_tiny_model(os.path.join(tmp.name, "model"), "qwen3", *PREFILL_MODEL)
     common = ["--max-total-tokens", str(args.device_tokens), "--page-size", str(args.page_size), *args.server_flag]
-    off = run_server(model, common, args)
-    print_report("HiCache off", off)
-    on = run_server(model, [*common, "--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio)], args)
-    print_report("HiCache on", on)
-
-    def tput(s: dict) -> float:
-        return s["input_throughput"] + s["output_throughput"]
-
+    hicache = [*common, "--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), *args.hicache_flag]
+    pairs = []
+    for i in range(args.repeat):
+        off = run_server(model, common, args)
+        print_report(f"HiCache off (run {i + 1}/{args.repeat})", off)
+        on = run_server(model, hicache, args)
+        print_report(f"HiCache on (run {i + 1}/{args.repeat})", on)
+        pairs.append((off, on, ratios(off, on)))
+        r = pairs[-1][2]
+        print(f"-- run {i + 1}: wall on/off {r['wall_ratio']:.3f}, TTFT p50 on/off {r['ttft_ratio']:.3f}, "
+              f"p90 on/off {r['ttft_p90_ratio']:.3f}, outputs identical {r['outputs_identical']}", flush=True)
+    per_run = [r for _, _, r in pairs]
+    med = {k: statistics.median(r[k] for r in per_run) for k in ("ttft_ratio", "ttft_p90_ratio", "wall_ratio",
+                                                                "throughput_ratio")}
+    off, on = pairs[0][0], pairs[0][1]
     result = {
-        "ttft_p50_off": off["ttft_p50"], "ttft_p50_on": on["ttft_p50"],
-        "ttft_ratio": on["ttft_p50"] / off["ttft_p50"], "throughput_ratio": tput(on) / tput(off),
-        "hit_rate": on["hit_rate"], "reusable_fraction": on["reusable_fraction"],
-        "hit_rate_off": off["hit_rate"], "off": off, "on": on,
+        "ttft_p50_off": statistics.median(p[0]["ttft_p50"] for p in pairs),
+        "ttft_p50_on": statistics.median(p[1]["ttft_p50"] for p in pairs),
+        **med, "outputs_identical": all(r["outputs_identical"] for r in per_run),
+        "hit_rate": on["hit_rate"], "reusable_fraction": on["reusable_fraction"], "hit_rate_off": off["hit_rate"],
+        "per_run": per_run, "off": off, "on": on,
         "config": {k: v for k, v in vars(args).items() if k != "url"},
     }
-    print(f"== TTFT p50 on/off {result['ttft_ratio']:.3f} ({on['ttft_p50']:.3f} s / {off['ttft_p50']:.3f} s), "
-          f"throughput on/off {result['throughput_ratio']:.2f}, hit rate {on['hit_rate']:.3f} "
-          f"(reusable {on['reusable_fraction']:.3f}, off {off['hit_rate']:.3f})")
+    print(f"== TTFT p50 on/off {result['ttft_ratio']:.3f} ({result['ttft_p50_on']:.3f} s / "
+          f"{result['ttft_p50_off']:.3f} s), TTFT p90 on/off {result['ttft_p90_ratio']:.3f}, wall on/off "
+          f"{result['wall_ratio']:.3f}, throughput on/off {result['throughput_ratio']:.2f}, hit rate "
+          f"{on['hit_rate']:.3f} (reusable {on['reusable_fraction']:.3f}, off {off['hit_rate']:.3f}), outputs "
+          f"identical {result['outputs_identical']}" + (f" [medians of {args.repeat}]" if args.repeat > 1 else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

@@ -3,7 +3,8 @@
 ``clients`` conversations of ``rounds`` turns; each turn sends the whole history (earlier
 prompts and answers) plus a new question, as token ids. Rounds run one after another; within
 a round the clients run concurrently (threads), so batches mix load-backs, hits and misses.
-The reference is a server whose device pool holds everything.
+The reference is a server whose device pool holds everything. ``run_open_loop`` runs the same
+conversations open loop: each client sends its next turn after a seeded exponential gap.
 """
 
 from __future__ import annotations
@@ -47,6 +48,36 @@ def run_workload(server, clients: int = 4, rounds: int = 3, system_len: int = 48
         for r in range(rounds):
             turns += list(pool.map(lambda c: one(c, r), range(clients)))
     return turns
+
+
+def run_open_loop(server, clients: int = 4, rounds: int = 3, system_len: int = 48, question_len: int = 40,
+                  max_new: int = 8, seed: int = 0, rate_per_client: float = 20.0) -> list[Turn]:
+    """The conversations of ``run_workload`` (same seed: same prompts), but every client runs on
+    its own, waiting an exponential gap (mean 1 / ``rate_per_client`` s) before each turn, so
+    turns of different rounds overlap. Returns the turns ordered like ``run_workload``'s."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 999) for _ in range(system_len)]
+    questions = [[[rng.randrange(3, 999) for _ in range(question_len)] for _ in range(clients)]
+                 for _ in range(rounds)]
+    gaps = random.Random(seed + 1)
+    waits = [[gaps.expovariate(rate_per_client) for _ in range(rounds)] for _ in range(clients)]
+
+    def conversation(c: int) -> list[Turn]:
+        history, turns = list(system), []
+        for r in range(rounds):
+            time.sleep(waits[c][r])
+            prompt = history + questions[r][c]
+            out = server.generate(input_ids=prompt, sampling_params={"max_new_tokens": max_new, **GREEDY},
+                                  return_logprob=True)
+            meta = out["meta_info"]
+            history = prompt + out["output_ids"]
+            turns.append(Turn(c, r, out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]],
+                              meta["cached_tokens_details"]))
+        return turns
+
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        per_client = list(pool.map(conversation, range(clients)))
+    return [per_client[c][r] for r in range(rounds) for c in range(clients)]
 
 
 def assert_same_tokens(ref: list[Turn], got: list[Turn], logprob_tol: float = 0.0) -> None:

@@ -6,6 +6,7 @@ This file runs one (layout, io_backend) cell per commit; test_hicache_layouts.py
 """
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from hicache_workload import assert_same_tokens, run_workload, server_counters, tier_totals, wait_idle_check
 
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -44,13 +45,16 @@ def test_metrics_and_meta_agree_on_tiers(hicache):
     totals = tier_totals(turns)
     counters = server_counters(srv)
     assert counters["cached_tokens"] == totals
-    text = srv.get("/metrics").text
-    assert f'sglang:cached_tokens_total{{model_name="tiny",tier="host"}} {totals["host"]}' in text
-    assert 'sglang:cache_pool_capacity_tokens{model_name="tiny",tier="host"} 4096' in text
-    assert 'sglang:cache_pool_capacity_tokens{model_name="tiny",tier="device"} 512' in text
-    loaded = next(line for line in text.splitlines()
-                  if line.startswith("sglang:host_transfer_pages_total") and "host_to_device" in line)
-    assert float(loaded.rsplit(" ", 1)[1]) * 4 >= totals["host"]  # pages of 4 tokens
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(srv.get("/metrics").text) for s in fam.samples}
+
+    def value(name: str, **labels) -> float:
+        return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
+
+    assert value("sglang:cached_tokens_total", tier="host") == totals["host"]
+    assert value("sglang:cache_pool_capacity_tokens", tier="host") == 4096
+    assert value("sglang:cache_pool_capacity_tokens", tier="device") == 512
+    assert value("sglang:host_transfer_pages_total", direction="host_to_device") * 4 >= totals["host"]  # 4-token pages
 
 
 def test_idle_integrity_checks_ran_and_flush_frees_both_tiers(hicache):

@@ -5,6 +5,11 @@ KV bookkeeping (units: device token slots, int64 CPU tensors): the first ``kv_le
 ``prefix_indices`` belong to the radix tree (locked through ``last_node``); the rest are the
 request's own pages, allocated one whole page at a time (the last one possibly part-filled).
 The tree reads ``fill_ids``, ``kv_indices``, ``extra_key``, ``prefix_indices``, ``last_node``.
+
+Token views are arrays or list slices, never per-token Python loops: the prompt is converted to
+an int64 array once (``input_array``), ``prompt_key`` (the prompt but its last token, the part a
+prefix match may cover) is built once, and ``cached_match`` carries the last match across steps
+(``match_reuse.py``).
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 
 from sglang.srt.managers.io_struct import CacheTier, ReqOutput, TokenizedGenerateReqInput, empty_tier_counts
+from sglang.srt.mem_cache.radix_key import RadixKey, as_token_array
 from sglang.srt.mem_cache.tree_node import empty_indices
 
 
@@ -47,6 +54,9 @@ class Req:
     def __init__(self, msg: TokenizedGenerateReqInput, eos_token_ids: list[int]):
         self.rid = msg.rid
         self.origin_input_ids = list(msg.input_ids)
+        self._input_array = None  # built on first use: a refused request never needs it
+        self._prompt_key: RadixKey | None = None
+        self.cached_match = None  # match_reuse.ReusableMatch of prompt_key, reused while current
         self.output_ids: list[int] = []
         self.sampling_params = msg.sampling_params
         self.seed = msg.sampling_params.sampling_seed if msg.sampling_params.sampling_seed is not None else msg.seed
@@ -82,12 +92,34 @@ class Req:
         return self.origin_input_ids[pos] if pos < n else self.output_ids[pos - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return [self.token_at(p) for p in range(start, end)]
+        """Tokens at positions [start, end) of prompt + output (list slices, no per-token loop)."""
+        n = len(self.origin_input_ids)
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        return self.origin_input_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
 
     @property
-    def fill_ids(self) -> list[int]:
-        """Tokens whose KV is in the pool."""
-        return (self.origin_input_ids + self.output_ids)[: self.kv_len]
+    def input_array(self):
+        """The prompt as a read-only int64 array (converted once)."""
+        if self._input_array is None:
+            self._input_array = as_token_array(self.origin_input_ids)
+        return self._input_array
+
+    @property
+    def prompt_key(self) -> RadixKey:
+        """The prompt but its last token, under the request's namespace (built once)."""
+        key = self._prompt_key
+        if key is None or key.extra_key != self.extra_key:
+            key = self._prompt_key = RadixKey(self.input_array[:-1], self.extra_key)
+        return key
+
+    @property
+    def fill_ids(self) -> np.ndarray:
+        """Tokens whose KV is in the pool (int64, read-only; a view of the prompt while prefilling)."""
+        n, p = self.kv_len, self.input_array.shape[0]
+        if n <= p:
+            return self.input_array[:n]
+        return np.concatenate([self.input_array, np.asarray(self.output_ids[: n - p], dtype=np.int64)])
 
     @property
     def prefill_remaining(self) -> int:

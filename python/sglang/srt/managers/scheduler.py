@@ -28,13 +28,13 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
-from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder
+from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder, WaitingQueueOrder, match_request
 from sglang.srt.managers.scheduler_stats import SchedulerStats
+from sglang.srt.managers.storage_admin import ADMIN_KINDS, handle_storage_admin
 from sglang.srt.managers.token_slots import TokenSlotAllocator
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.storage_ops import HiCacheFlushIncomplete
-from sglang.srt.mem_cache.tree_node import RadixKey
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
@@ -62,12 +62,16 @@ class Scheduler:
         self.page_size = server_args.page_size
         self.context_len = self.runner.model_config.context_len
         self.vocab_size = self.runner.model_config.vocab_size
-        self.tokenizer = get_tokenizer(server_args.model_path)
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.tree_cache = build_tree_cache(server_args, self.runner)
         self.hicache = isinstance(self.tree_cache, HiRadixCache)
+        if self.hicache:  # one host reservation and one write-lane job per step (see step())
+            self.tree_cache.defer_backups = True
+            self.tree_cache.cache_controller.defer_writes = True
         self.storage_enabled = storage_enabled(self.tree_cache)
         self.slots = TokenSlotAllocator(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.page_size)
         self.waiting: deque[Req] = deque()
+        self.queue_order = WaitingQueueOrder(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.stats = SchedulerStats()
@@ -129,10 +133,9 @@ class Scheduler:
 
     def _prefetch(self, req: Req) -> None:
         """Start the L3 prefetch of the part of the prompt the tree does not hold."""
-        key = RadixKey(req.origin_input_ids[:-1], req.extra_key)
-        m = self.tree_cache.match_prefix(key)
+        m = match_request(self.tree_cache, req)
         matched = m.device_indices.numel() + m.host_hit_length
-        new_tokens = list(key.token_ids[matched:])
+        new_tokens = req.origin_input_ids[matched:-1]
         last_hash = m.last_host_node.get_last_hash_value()
         self.tree_cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens, last_hash,
                                               extra_key=req.extra_key)
@@ -160,6 +163,8 @@ class Scheduler:
     def handle_control(self, msg: ControlReq) -> ControlOutput:
         if msg.kind is ControlKind.GET_STATS:
             return ControlOutput(msg.cid, True, payload=self.stats.snapshot(self))
+        if msg.kind in ADMIN_KINDS:  # runtime L3 attach / detach
+            return handle_storage_admin(self, msg)
         return self.flush_cache(msg.cid)
 
     def flush_cache(self, cid: int = 0) -> ControlOutput:
@@ -182,14 +187,33 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """One scheduling iteration; returns the outputs produced since the last call."""
         if self.hicache:
+            self._flush_host_backups()  # those an abort between steps made due
             self.tree_cache.check_hicache_events()
         adder = self._build_prefill()
+        if adder is None and not self.running and self._waiting_on_host_writes():
+            # Nothing can run because the memory the waiting requests need is locked by host
+            # writes in flight: wait for them (the wait releases the GIL, so the write lane runs
+            # at full speed) rather than return and spin on the same answer.
+            self.slots.flush_host_writes()
+            adder = self._build_prefill()
         if adder is not None:
             self._run_prefill(adder)
         elif self.running:
             self._run_decode()
+        if self.hicache:
+            self._flush_host_backups()
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _flush_host_backups(self) -> None:
+        """Start this step's write-through backups: one host reservation for every node the
+        step's inserts made due, then one write-lane job for all of the step's writes."""
+        self.tree_cache.flush_backups()
+        self.tree_cache.cache_controller.flush_writes()
+
+    def _waiting_on_host_writes(self) -> bool:
+        """Requests wait while device->host writes hold nodes locked (same on every TP rank)."""
+        return bool(self.waiting) and self.hicache and bool(self.tree_cache.ongoing_write_through)
 
     def _reserved_tokens(self) -> int:
         held = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
@@ -198,9 +222,12 @@ class Scheduler:
     def _build_prefill(self) -> PrefillAdder | None:
         budget = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 62
         adder = PrefillAdder(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.runner.req_to_token_pool,
-                             self.page_size, budget, self._reserved_tokens(), self.storage_enabled)
+                             self.page_size, budget, self._reserved_tokens(), self.storage_enabled,
+                             conservativeness=self.args.schedule_conservativeness,
+                             max_reserve_tokens=self.runner.max_total_num_tokens)
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
+        self.queue_order.apply(self.waiting)
         skipped = []
         while self.waiting:
             req = self.waiting.popleft()

@@ -27,7 +27,7 @@ from sglang.srt.managers.io_struct import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.5  # how long rank 0 waits for a message when there is nothing to do
-TRANSFER_POLL_S = 0.002  # the same while host transfers are in flight
+TRANSFER_POLL_S = 0.002  # the same while host transfers are in flight, or while work is blocked
 
 
 def configure_logging(level: str, prefix: str = "") -> None:
@@ -72,23 +72,43 @@ class SchedulerLoop:
 
     def run(self) -> None:
         sched = self.scheduler
+        progressed = True
         while True:
-            if sched.has_work():
-                timeout = 0.0
-            else:
-                timeout = TRANSFER_POLL_S if sched.transfers_in_flight() else IDLE_POLL_S
-            msgs = self.recv(timeout)
+            has_work = sched.has_work()
+            in_flight = not has_work and sched.transfers_in_flight()
+            msgs = self.recv(poll_timeout(has_work, progressed, in_flight))
             if any(isinstance(m, ShutdownReq) for m in msgs):
                 logger.info("scheduler shutting down")
                 return
             replies = sched.handle_messages(msgs)
+            batches = _batches_run(sched)
             outputs = sched.step()
+            progressed = _batches_run(sched) != batches
             sched.on_idle()
             if self.tp_rank == 0 and (outputs or replies):
                 self.out_queue.put([BatchOutput(outputs)] + replies if outputs else replies)
             if os.getppid() != self.parent_pid:
                 logger.error("the server process is gone; scheduler exiting")
                 return
+
+
+def poll_timeout(has_work: bool, progressed: bool, transfers_in_flight: bool) -> float:
+    """How long rank 0 waits for messages before the next step (seconds; a message ends the wait).
+
+    Work that made progress last step: no wait. Work whose last step ran no batch is blocked
+    (on device memory held by prefixes locked for host writes, on an L3 prefetch): a short
+    sleep, never a spin. A spinning loop re-matches the waiting requests in Python and holds
+    the GIL against the transfer lane and storage threads it is waiting for (issue 9's slow
+    passes). No work: a short wait while transfers are in flight, else the idle poll.
+    """
+    if has_work:
+        return 0.0 if progressed else TRANSFER_POLL_S
+    return TRANSFER_POLL_S if transfers_in_flight else IDLE_POLL_S
+
+
+def _batches_run(sched) -> int:
+    counters = sched.stats.counters
+    return counters.num_prefill_batches + counters.num_decode_batches
 
 
 def run_scheduler_process(server_args, tp_rank: int, dist_port: int | None, in_queue, out_queue, status_queue):

@@ -75,6 +75,6 @@ class TokenSlotAllocator:
         if controller is None:
             return False
         logger.debug("device pool short: waiting for host writes in flight")
-        controller.write_lane.synchronize()
+        controller.synchronize_writes()
         self.tree_cache.check_hicache_events()
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_aligned
@@ -43,13 +44,17 @@ class PagedAllocator:
         return (self.reserved_pages + self.num_pages) * self.page_size
 
     def clear(self) -> None:
+        # Free-list state is numpy (no per-call torch dispatch: these run several times a step,
+        # see docs/hicache_design.md "Control-plane cost"); tensors are handed out and taken in.
         with self._lock:
             first = self.reserved_pages
-            self._free_pages = torch.arange(first, first + self.num_pages, dtype=torch.int64)
-            self._released: list[torch.Tensor] = []
-            self._is_free = torch.zeros(first + self.num_pages, dtype=torch.bool)
-            self._is_free[first:] = True
+            self._free_pages = np.arange(first, first + self.num_pages, dtype=np.int64)
+            self._released: list[np.ndarray] = []
+            self._is_free_np = np.zeros(first + self.num_pages, dtype=np.bool_)
+            self._is_free_np[first:] = True
+            self._is_free = torch.from_numpy(self._is_free_np)  # a view: same memory
             self._num_free = self.num_pages
+            self._offs = np.arange(self.page_size, dtype=np.int64)
 
     def available_size(self) -> int:
         """Free slots."""
@@ -57,21 +62,25 @@ class PagedAllocator:
 
     def _merge(self) -> None:
         if self._released:
-            self._free_pages = torch.cat([self._free_pages, *self._released]).sort().values
+            self._free_pages = np.sort(np.concatenate([self._free_pages, *self._released]))
             self._released = []
 
-    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
-        """Take ``num_pages`` free page ids; None when fewer are free (nothing is taken)."""
+    def _take_pages(self, num_pages: int) -> np.ndarray | None:
         with self._lock:
             if num_pages > self._num_free:
                 return None
-            if num_pages > self._free_pages.numel():
+            if num_pages > self._free_pages.size:
                 self._merge()
-            pages = self._free_pages[:num_pages]
+            pages = self._free_pages[:num_pages].copy()
             self._free_pages = self._free_pages[num_pages:]
-            self._is_free[pages] = False
+            self._is_free_np[pages] = False
             self._num_free -= num_pages
-            return pages.clone()
+            return pages
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """Take ``num_pages`` free page ids; None when fewer are free (nothing is taken)."""
+        pages = self._take_pages(num_pages)
+        return None if pages is None else torch.from_numpy(pages)
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """Allocate ``need_size`` slots (a multiple of page_size) as whole pages.
@@ -82,10 +91,10 @@ class PagedAllocator:
             raise ValueError(
                 f"alloc size must be a non-negative multiple of page_size {self.page_size}, got {need_size}"
             )
-        pages = self.alloc_pages(need_size // self.page_size)
+        pages = self._take_pages(need_size // self.page_size)
         if pages is None:
             return None
-        return self.pages_to_slots(pages)
+        return torch.from_numpy((pages[:, None] * self.page_size + self._offs).reshape(-1))
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         offs = torch.arange(self.page_size, dtype=torch.int64)
@@ -99,16 +108,17 @@ class PagedAllocator:
             return
         check_page_aligned(slots, self.page_size, "free indices")
         check_in_range(slots, self.reserved_pages * self.page_size, self.end_slot, "free indices")
-        pages = slots[:: self.page_size] // self.page_size
+        pages = slots.numpy()[:: self.page_size] // self.page_size
         with self._lock:
-            if pages.unique().numel() != pages.numel():
+            if not (np.diff(pages) > 0).all() and np.unique(pages).size != pages.size:  # ascending: unique
                 raise ValueError("free indices name the same page twice")
-            if bool(self._is_free[pages].any()):
-                dup = int(pages[self._is_free[pages]][0])
+            was_free = self._is_free_np[pages]
+            if was_free.any():
+                dup = int(pages[was_free][0])
                 raise ValueError(f"double free: page {dup} (slot {dup * self.page_size}) is already free")
-            self._is_free[pages] = True
+            self._is_free_np[pages] = True
             self._released.append(pages)
-            self._num_free += pages.numel()
+            self._num_free += pages.size
 
     def is_free(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool mask: which of these slots lie in free pages."""

@@ -20,7 +20,6 @@ gives per-tier counters; ``close()`` stops every thread and closes the backend.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -32,6 +31,7 @@ from sglang.srt.mem_cache.hicache_config import WritePolicy
 from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
+from sglang.srt.mem_cache.tier_counters import TierCounters
 from sglang.srt.mem_cache.tp_agreement import TPAgreement
 from sglang.srt.mem_cache.transfer_lane import make_lane
 
@@ -89,23 +89,6 @@ class PoolBinding:
     device_alloc: object
 
 
-class TierCounters:
-    """Thread-safe integer counters of one tier."""
-
-    def __init__(self, *names: str):
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(names, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._counts[name] += delta
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
-
-
 class HiCacheController:
     """L1<->L2 queues and lanes for one tree, and optionally the L2<->L3 threads.
 
@@ -154,6 +137,8 @@ class HiCacheController:
         for _, device_pool in pairs:
             device_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.load_queue: list[CacheOperation] = []
+        self.defer_writes = False  # see write(); the scheduler turns it on
+        self._pending_writes: list[tuple[CacheOperation, object]] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
         self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
@@ -230,6 +215,26 @@ class HiCacheController:
         logger.info("HiCacheController: L3 backend %s, side pools %s, state pool %s, %s", name,
                     [p.value for p in side], state.value if state is not None else None, settings)
 
+    def attach_storage_backend(self, name: str, extra_config, model_name: str | None) -> None:
+        """Attach an L3 backend at runtime (the caller made sure no storage operation runs).
+        ValueError when one is attached or the name / config is bad; whatever the backend
+        constructor raises propagates. On any error nothing changes here."""
+        if self.storage is not None:
+            raise ValueError(f"a storage backend ({type(self.storage_backend).__name__}) is already attached; "
+                             "detach it first")
+        self._attach_storage(name, extra_config, model_name)
+
+    def detach_storage_backend(self) -> bool:
+        """Stop the L3 threads and close the backend (the caller made sure no storage operation
+        runs). Returns False when none was attached."""
+        if self.storage is None:
+            return False
+        storage, self.storage = self.storage, None
+        self.storage_backend = self.storage_config = None
+        storage.close()
+        logger.info("HiCacheController: L3 backend detached")
+        return True
+
     def get_stats(self) -> dict[str, dict[str, int]]:
         """Per-tier counters: ``l2`` (device<->host: pages, bytes, failures) and ``l3``
         (storage: the backend's get_stats() merged with the controller's; empty without L3)."""
@@ -257,25 +262,47 @@ class HiCacheController:
 
     # ---- writes (device -> host) ----------------------------------------------------------
     def write(self, transfers: list[L2Transfer], node_ids: list[int], ack: bool = True):
-        """Start copying every layer of ``transfers`` device -> host now.
-
-        With ``ack`` the completion is queued in ``ack_write_queue`` (consumed by the tree);
-        without, the caller waits on the returned event itself. Returns the finish event.
-        """
+        """Copy every layer of ``transfers`` device -> host; returns the finish event. With
+        ``ack`` its completion is queued in ``ack_write_queue`` (consumed by the tree) and, with
+        ``defer_writes``, the copy waits for ``flush_writes`` (the scheduler's one lane job a
+        step). Without ``ack`` it starts now, after every deferred one; the caller waits."""
         finish = self.write_lane.new_event()
         op = CacheOperation(transfers, list(node_ids))
+        self._count_l2(op.transfers, "written")
+        if ack and self.defer_writes:
+            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
+            self._pending_writes.append((op, finish))
+            return finish
+        self.flush_writes()
+        self._submit_writes([(op, finish)])
+        if ack:
+            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
+        return finish
+
+    def flush_writes(self) -> int:
+        """Start the deferred writes as one lane job (merged per pool); returns how many."""
+        batch, self._pending_writes = self._pending_writes, []
+        if batch:
+            self._submit_writes(batch)
+        return len(batch)
+
+    def _submit_writes(self, batch: list[tuple[CacheOperation, object]]) -> None:
+        op = batch[0][0] if len(batch) == 1 else CacheOperation.merge_ops([o for o, _ in batch])
+        events = [ev for _, ev in batch]
 
         def job():
             for t in op.transfers:
                 for host, device in self._binding(t.name).pairs:
                     host.backup_from_device_all_layer(device, t.host_indices, t.device_indices, self.io_backend)
-            finish.record()
+            for ev in events:
+                ev.record()
 
-        self._count_l2(op.transfers, "written")
-        self.write_lane.submit(self._counted(job), [finish])
-        if ack:
-            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
-        return finish
+        self.write_lane.submit(self._counted(job), events)
+
+    def synchronize_writes(self) -> None:
+        """Block until every write so far (deferred ones included) has run."""
+        self.flush_writes()
+        self.write_lane.synchronize()
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------
     def load(self, transfers: list[L2Transfer], node_ids: list[int]) -> None:
@@ -342,12 +369,12 @@ class HiCacheController:
     def synchronize(self) -> None:
         """Block until every submitted write and started load has run (queued loads start first)."""
         self.start_loading()
-        self.write_lane.synchronize()
+        self.synchronize_writes()
         self.load_lane.synchronize()
 
     def reset(self) -> None:
         """Wait for the lanes, then forget every queued operation and ack (slots are the tree's)."""
-        self.write_lane.synchronize()
+        self.synchronize_writes()
         self.load_lane.synchronize()
         self.load_queue = []
         self.ack_write_queue.clear()
@@ -358,5 +385,9 @@ class HiCacheController:
         """Stop the lanes and, with storage, its threads and the backend; idempotent."""
         if self.storage is not None:
             self.storage.close()
+        try:
+            self.flush_writes()
+        except RuntimeError:  # a closed lane: nothing more will run
+            self._pending_writes = []
         self.write_lane.close()
         self.load_lane.close()

@@ -75,7 +75,7 @@ def check_tree_nodes(tree, check_hashes: bool = True) -> None:
             v = getattr(node, name)
             if v is not None and v.numel() != n:
                 raise CacheIntegrityError(f"node {node.id}: {name} has {v.numel()} slots for {n} tokens")
-        if check_hashes and node.hash_value != page_hashes(node.key.token_ids, P, node.prior_hash()):
+        if check_hashes and node.hash_value != page_hashes(node.key.ids, P, node.prior_hash()):
             raise CacheIntegrityError(f"node {node.id}: page hashes do not match its key and parent chain")
         for counter in ("lock_ref", "host_ref_counter"):
             if getattr(node, counter) < sum(getattr(c, counter) for c in node.children.values()):

@@ -62,9 +62,14 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self.KV = cache_controller.anchor_name
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
+        # With defer_backups (set by the scheduler), write-through backups that insert makes due
+        # wait, locked, in _due_backups until flush_backups: one reservation and write per step.
+        self.defer_backups = False
+        self._due_backups: dict[int, TreeNode] = {}
         self._write_back_events: list = []
         self._write_back_nodes: list[TreeNode] = []
         self._deferred_device_free: list[dict[PoolName, torch.Tensor]] = []
+        self._device_free_batch: list[dict[PoolName, torch.Tensor]] | None = None  # during an eviction
         self._quarantined_on_reset: dict[PoolName, torch.Tensor] = {}  # host slots reset must not free
         self._init_storage(prefetch_stop_policy)
         super().__init__(params)
@@ -72,6 +77,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def _new_root(self) -> None:
         super()._new_root()
         self.root_node.host_value = empty_indices()
+        self._host_leaves: dict[int, TreeNode] = {}  # candidates of host eviction (hiradix_eviction.py)
 
     # ---- per-node slots (extended by hybrid trees) -------------------------------------------
     def _device_slots(self, node: TreeNode) -> dict[PoolName, torch.Tensor]:
@@ -132,10 +138,34 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         due = []
         for node, _ in touched:
             node.hit_count += 1
-            if not node.backuped and node.hit_count >= threshold:
+            if not node.backuped and node.hit_count >= threshold and node.id not in self._due_backups:
                 due.append(node)
-        if due:
+        if not due:
+            return
+        if not self.defer_backups:
             self._write_backup_nodes(due)
+            return
+        for node in due:  # locked now, as a queued write would be; backed up at flush_backups
+            self.inc_lock_ref(node)
+            self._due_backups[node.id] = node
+
+    def flush_backups(self) -> int:
+        """Back up the nodes ``insert`` made due since the last call (``defer_backups``): one
+        host reservation and one write for all of them (the scheduler calls it once a step).
+        Mutates: their locks move to the write in flight, or are released when the host pool
+        is short on some rank. Returns the tokens queued."""
+        if not self._due_backups:
+            return 0
+        nodes, self._due_backups = list(self._due_backups.values()), {}
+        for node in nodes:
+            self.dec_lock_ref(node)
+        nodes = [n for n in nodes if not n.evicted and not n.backuped]
+        return self._write_backup_nodes(nodes) if nodes else 0
+
+    def _drop_due_backups(self) -> None:
+        nodes, self._due_backups = list(self._due_backups.values()), {}
+        for node in nodes:
+            self.dec_lock_ref(node)
 
     def write_backup(self, node: TreeNode) -> int:
         """Back ``node`` up to host now (asynchronously; locked until acknowledged).
@@ -197,11 +227,12 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     def _new_host_leaf(self, parent: TreeNode, key: RadixKey, host: torch.Tensor, now: int) -> TreeNode:
         """A host-only child of ``parent`` holding ``host`` (host slots of ``key``)."""
-        leaf = TreeNode(parent, key)
+        leaf = TreeNode(parent, key.copy())
         leaf.host_value = host.clone()
-        leaf.hash_value = page_hashes(leaf.key.token_ids, self.page_size, leaf.prior_hash())
+        leaf.hash_value = page_hashes(leaf.key.ids, self.page_size, leaf.prior_hash())
         leaf.last_access_time = now
-        parent.children[self._child_key(leaf.key)] = leaf
+        self._attach(parent, leaf)
+        self._host_leaves[leaf.id] = leaf
         return leaf
 
     # ---- load back ---------------------------------------------------------------------------
@@ -293,6 +324,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         ``HiCacheFlushIncomplete`` is raised on every rank. The tree is empty and usable then.
         """
         error = None
+        self._drop_due_backups()
         if self.storage is not None:
             self._quarantined_on_reset, error = self._drain_storage(timeout_s)
         else:
@@ -313,12 +345,20 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             raise CacheIntegrityError(f"node {node.id} has neither a device nor a host copy")
         if node.evicted and (node.lock_ref or any(not c.evicted for c in node.children.values())):
             raise CacheIntegrityError(f"node {node.id} is evicted but locked or above a device node")
+        if node.evicted and not node.children and self._host_leaves.get(node.id) is not node:
+            raise CacheIntegrityError(f"node {node.id} is a host-only leaf missing from the host eviction candidates")
+
+    def _check_host_leaves(self) -> None:
+        for nid, node in self._host_leaves.items():
+            if not self._is_attached(node):
+                raise CacheIntegrityError(f"node {nid} left the tree but is still a host eviction candidate")
 
     def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=()) -> None:
         """RadixCache.check_integrity plus the host tier: every host slot is free, in the tree,
         held by a storage operation (an in-flight prefetch, a backup a bounded flush
         abandoned), or in ``request_host_indices``."""
         super().check_integrity(request_device_indices, check_hashes)
+        self._check_host_leaves()
         for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
             if not self._is_attached(node) or node.evicted or node.lock_ref == 0:
                 raise CacheIntegrityError(f"node {nid} has a transfer in flight but is gone, evicted or unlocked")

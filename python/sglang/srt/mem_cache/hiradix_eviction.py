@@ -6,8 +6,11 @@ on every rank where the margin is negative, and allocates everywhere or nowhere.
 
 Device eviction takes unlocked device leaves (nodes whose children are all host-only) in
 policy order: a backed-up node keeps its host copy, others are written back first under
-``write_back`` or dropped with their host-only descendants. Host eviction drops host-only
-leaves nobody pins (``protect_host``), deleting them from the tree.
+``write_back`` or dropped with their host-only descendants; the walk for them never enters a
+host-only subtree. Host eviction drops host-only leaves nobody pins (``protect_host``),
+deleting them from the tree; it reads them from ``_host_leaves`` (node id -> node), a superset
+kept up to date wherever a node can become one (its device copy released while childless, a
+new host leaf, a deleted child) and pruned lazily, so it never walks the whole tree.
 
 A mixin of HiRadixCache: it uses the tree's ``cache_controller``, ``agreement``, ``KV``,
 ``write_policy``, ``_priority``, ``_all_nodes`` and the per-node slot hooks.
@@ -78,18 +81,45 @@ class TierEvictionMixin:
             raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
         return self._evict_device_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
 
+    def _device_leaves(self) -> list[TreeNode]:
+        """Unlocked device leaves (``_is_device_leaf``). Device copies are downward closed, so
+        the walk never enters a host-only subtree: its cost is bounded by the device pool."""
+        out, stack = [], [self.root_node]
+        while stack:
+            node = stack.pop()
+            below = [c for c in node.children.values() if not c.evicted]
+            if below:
+                stack.extend(below)
+            elif node is not self.root_node and node.lock_ref == 0:
+                out.append(node)
+        return out
+
     def _evict_device_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
         freed = {n: 0 for n in deficits}
-        heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_device_leaf(n)]
+        heap = [(self._priority(n), n) for n in self._device_leaves()]
         heapq.heapify(heap)
-        while heap and any(freed[n] < d for n, d in deficits.items()):
-            _, node = heapq.heappop(heap)
-            for name, count in self._evict_device_node(node).items():
-                freed[name] = freed.get(name, 0) + count
-            if self._is_device_leaf(node.parent):
-                heapq.heappush(heap, (self._priority(node.parent), node.parent))
+        outer, self._device_free_batch = self._device_free_batch, []  # one allocator call per pool
+        try:
+            while heap and any(freed[n] < d for n, d in deficits.items()):
+                _, node = heapq.heappop(heap)
+                for name, count in self._evict_device_node(node).items():
+                    freed[name] = freed.get(name, 0) + count
+                if self._is_device_leaf(node.parent):
+                    heapq.heappush(heap, (self._priority(node.parent), node.parent))
+        finally:
+            batch, self._device_free_batch = self._device_free_batch, outer
+            self._free_batched(Tier.DEVICE, batch)
         self._finish_write_back()
         return freed
+
+    def _free_batched(self, tier: Tier, batch: list[dict[PoolName, torch.Tensor]]) -> None:
+        by_pool: dict[PoolName, list[torch.Tensor]] = {}
+        for slots in batch:
+            for name, idx in slots.items():
+                if idx is not None:
+                    by_pool.setdefault(name, []).append(idx)
+        for name, parts in by_pool.items():
+            self.cache_controller.free(tier, name, parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def _evict_device_node(self, node: TreeNode) -> dict[PoolName, int]:
         if node.backuped:
@@ -104,8 +134,10 @@ class TierEvictionMixin:
         slots = self._device_slots(node)
         self.evictable_size_ -= len(node.key)
         self._clear_device(node)
-        if deferred:
-            self._deferred_device_free.append(slots)
+        if not node.children:
+            self._host_leaves[node.id] = node
+        if deferred or self._device_free_batch is not None:
+            (self._deferred_device_free if deferred else self._device_free_batch).append(slots)
             return {name: len(idx) for name, idx in slots.items() if idx is not None}
         return self._free_slots(Tier.DEVICE, slots)
 
@@ -149,6 +181,7 @@ class TierEvictionMixin:
             x = stack.pop()
             stack.extend(x.children.values())
             self._free_slots(Tier.HOST, self._host_slots(x))
+            self._host_leaves.pop(x.id, None)  # leaves the tree with the subtree
         freed = self._release_device_copy(node, deferred=False)
         self._delete_leaf(node)
         return freed
@@ -169,18 +202,40 @@ class TierEvictionMixin:
             raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
         return self._evict_host_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
 
+    def _delete_leaf(self, node: TreeNode) -> None:
+        super()._delete_leaf(node)
+        self._host_leaves.pop(node.id, None)
+        parent = node.parent
+        if parent is not self.root_node and parent.evicted and not parent.children:
+            self._host_leaves[parent.id] = parent
+
+    def _host_leaf_nodes(self) -> list[TreeNode]:
+        """Host-only leaves nobody pins; drops candidates that are no longer leaves (loaded back
+        or given a child: they come back through the paths above) and keeps pinned ones. Nodes
+        leave the tree only through ``_delete_leaf`` and ``_drop_subtree``, which drop them."""
+        leaves = self._host_leaves
+        for nid, node in list(leaves.items()):
+            if not node.evicted or node.children:
+                del leaves[nid]
+        return [n for n in leaves.values() if n.host_ref_counter == 0]
+
     def _evict_host_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
         freed = {n: 0 for n in deficits}
-        heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_host_leaf(n)]
+        heap = [(self._priority(n), n) for n in self._host_leaf_nodes()]
         heapq.heapify(heap)
+        batch: list[dict[PoolName, torch.Tensor]] = []  # one allocator call per pool at the end
         while heap and any(freed[n] < d for n, d in deficits.items()):
             _, node = heapq.heappop(heap)
-            for name, count in self._free_slots(Tier.HOST, self._host_slots(node)).items():
-                freed[name] = freed.get(name, 0) + count
+            slots = self._host_slots(node)
+            batch.append(slots)
+            for name, idx in slots.items():
+                if idx is not None:
+                    freed[name] = freed.get(name, 0) + idx.numel()
             self._clear_host(node)
             self._delete_leaf(node)
             if self._is_host_leaf(node.parent):
                 heapq.heappush(heap, (self._priority(node.parent), node.parent))
+        self._free_batched(Tier.HOST, batch)
         return freed
 
     def protect_host(self, node: TreeNode) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from typing import Sequence
 
+import numpy as np
+
 _SEED_TAG = b"sglang-hicache-page-chain-v1\x00"
 _MAX_TOKEN_ID = (1 << 32) - 1
 
@@ -22,23 +24,29 @@ def namespace_hash(extra_key: str | None = None) -> str:
     return hashlib.sha256(_SEED_TAG + (extra_key or "").encode("utf-8")).hexdigest()
 
 
+def _page_bytes(token_ids) -> bytes:
+    """``token_ids`` as 4-byte little-endian unsigned ints; ValueError naming a bad id."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID):
+        bad = int(arr[(arr < 0) | (arr > _MAX_TOKEN_ID)][0])
+        raise ValueError(f"token id {bad} outside [0, {_MAX_TOKEN_ID}]")
+    return arr.astype("<u4").tobytes()
+
+
 def hash_page(prior_hash: str, token_ids: Sequence[int]) -> str:
     """Hash of one page given the previous page's hash (or the namespace seed)."""
-    h = hashlib.sha256(bytes.fromhex(prior_hash))
-    for tok in token_ids:
-        tok = int(tok)
-        if not 0 <= tok <= _MAX_TOKEN_ID:
-            raise ValueError(f"token id {tok} outside [0, {_MAX_TOKEN_ID}]")
-        h.update(tok.to_bytes(4, "little"))
-    return h.hexdigest()
+    return hashlib.sha256(bytes.fromhex(prior_hash) + _page_bytes(token_ids)).hexdigest()
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, prior_hash: str) -> list[str]:
-    """Hashes of every whole page of ``token_ids`` (a trailing partial page is ignored)."""
+    """Hashes of every whole page of ``token_ids`` (a sequence or an int array; a trailing
+    partial page is ignored). One pass converts the ids; the chain is one hash per page."""
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
-    out = []
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        prior_hash = hash_page(prior_hash, token_ids[start : start + page_size])
+    pages = len(token_ids) // page_size
+    data = memoryview(_page_bytes(token_ids[: pages * page_size]))
+    step, out = 4 * page_size, []
+    for i in range(pages):
+        prior_hash = hashlib.sha256(bytes.fromhex(prior_hash) + data[i * step : (i + 1) * step]).hexdigest()
         out.append(prior_hash)
     return out

@@ -1,9 +1,10 @@
 """RadixCache: a paged radix tree over the device (L1) token slots.
 
 Keys advance a whole page (``page_size`` tokens) per step; children are keyed by their
-namespace (``extra_key``) and first page. Every node carries its page-hash chain
-(``page_hash.py``), seeded by ``namespace_hash(extra_key)``; a split slices the hash list and
-never rehashes. The tree passes slot indices around and never touches KV bytes.
+namespace (``extra_key``) and the bytes of their first page, and a node's key is one int64
+array compared in bulk (``radix_key.py``), so no operation loops over tokens in Python. Every
+node carries its page-hash chain (``page_hash.py``), seeded by ``namespace_hash(extra_key)``;
+a split slices the hash list and never rehashes. The tree passes slot indices around and never touches KV bytes.
 
 Ownership: slots handed to ``insert`` become the tree's, except the leading ``prefix_len``
 tokens it already held (the caller frees those duplicates). ``evict`` returns slots of unlocked
@@ -25,8 +26,9 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
 from sglang.srt.mem_cache.evict_policy import EvictionPolicy, eviction_priority
 from sglang.srt.mem_cache.page_hash import page_hashes
+from sglang.srt.mem_cache.radix_key import common_prefix_len
 from sglang.srt.mem_cache.radix_requests import RequestCacheMixin
-from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices, new_stamp
 from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,11 @@ class RadixCache(RequestCacheMixin):
         return self._clock
 
     def _child_key(self, key: RadixKey, pos: int = 0) -> tuple:
-        return (key.extra_key, key.token_ids[pos : pos + self.page_size])
+        return key.child_key(pos, self.page_size)
+
+    def _attach(self, parent: TreeNode, node: TreeNode) -> None:
+        """File ``node`` under ``parent`` as a new child."""
+        parent.children[self._child_key(node.key)] = node
 
     def _all_nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
@@ -106,11 +112,8 @@ class RadixCache(RequestCacheMixin):
         child = node.children.get(self._child_key(key, pos))
         if child is None:
             return None
-        P, mine, theirs = self.page_size, child.key.token_ids, key.token_ids
-        n, limit = P, min(len(mine), len(theirs) - pos)
-        while n < limit and mine[n : n + P] == theirs[pos + n : pos + n + P]:
-            n += P
-        if n < len(mine):
+        n = max(common_prefix_len(child.key.ids, key.ids[pos:], self.page_size), self.page_size)
+        if n < len(child.key):
             child = self._split_node(child, n)
         return child
 
@@ -119,7 +122,7 @@ class RadixCache(RequestCacheMixin):
         values and hashes are sliced at the same offset; locks and counters are copied; the
         lower part keeps its id (acks refer to it) and its Mamba state (the state at its end)."""
         pages = split_len // self.page_size
-        new = TreeNode(child.parent, child.key[:split_len])
+        new = TreeNode(child.parent, child.key[:split_len].copy())
         for attr in ("lock_ref", "host_ref_counter", "hit_count", "access_count", "last_access_time"):
             setattr(new, attr, getattr(child, attr))
         if child.value is not None:
@@ -128,7 +131,7 @@ class RadixCache(RequestCacheMixin):
             new.host_value, child.host_value = child.host_value[:split_len].clone(), child.host_value[split_len:].clone()
         new.hash_value, child.hash_value = child.hash_value[:pages], child.hash_value[pages:]
         child.parent.children[self._child_key(new.key)] = new
-        child.key = child.key[split_len:]
+        child.key = child.key[split_len:].copy()
         child.parent = new
         new.children[self._child_key(child.key)] = child
         return new
@@ -160,7 +163,17 @@ class RadixCache(RequestCacheMixin):
             path.append(child)
             pos += len(child.key)
             node = child
-        return self._match_result(path)
+        result = self._match_result(path)
+        result.path = tuple(path)
+        return result
+
+    def touch(self, path: tuple[TreeNode, ...]) -> None:
+        """What a match does to the nodes it walks, without walking: refresh their access time
+        and count (a reused match keeps eviction order exactly as a fresh one would)."""
+        now = self._tick()
+        for node in path:
+            node.last_access_time = now
+            node.access_count += 1
 
     def _match_result(self, path: list[TreeNode]) -> MatchResult:
         last = path[-1] if path else self.root_node
@@ -223,11 +236,11 @@ class RadixCache(RequestCacheMixin):
         """Hook: the nodes of an insert path, root first, with whether each is new."""
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, now: int) -> TreeNode:
-        node = TreeNode(parent, key)
+        node = TreeNode(parent, key.copy())
         node.value = value.clone()
-        node.hash_value = page_hashes(key.token_ids, self.page_size, node.prior_hash())
+        node.hash_value = page_hashes(node.key.ids, self.page_size, node.prior_hash())
         node.last_access_time, node.access_count = now, 1
-        parent.children[self._child_key(key)] = node
+        self._attach(parent, node)
         self.evictable_size_ += len(key)
         return node
 
@@ -244,6 +257,7 @@ class RadixCache(RequestCacheMixin):
 
     def _delete_leaf(self, node: TreeNode) -> None:
         del node.parent.children[self._child_key(node.key)]
+        node.stamp = new_stamp()  # gone: a match through it is stale
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots from unlocked leaves, policy order first.

@@ -10,47 +10,41 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from sglang.srt.mem_cache.page_hash import namespace_hash
+from sglang.srt.mem_cache.radix_key import RadixKey
+
+__all__ = ["MatchResult", "RadixKey", "TreeNode", "empty_indices", "new_stamp"]
 
 _node_ids = itertools.count()
+_stamps = itertools.count(1)
+
+
+def new_stamp() -> int:
+    """A fresh point of the tree clock: larger than every stamp handed out before."""
+    return next(_stamps)
+
+
+def _stamped(name: str) -> property:
+    """A node attribute whose every write moves the node's ``stamp`` (a match through the node
+    may now return something else)."""
+    slot = "_" + name
+
+    def get(self):
+        return self.__dict__[slot]
+
+    def set(self, value):
+        self.__dict__[slot] = value
+        self.stamp = next(_stamps)
+
+    return property(get, set)
 
 
 def empty_indices() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class RadixKey:
-    """Token ids of a request prefix and the namespace they live in.
-
-    ``extra_key`` separates namespaces (LoRA id, tenant ``cache_salt``): equal tokens under
-    different extra keys never match each other.
-    """
-
-    token_ids: tuple[int, ...]
-    extra_key: str | None = None
-
-    def __init__(self, token_ids: Sequence[int], extra_key: str | None = None):
-        if extra_key is not None and not isinstance(extra_key, str):
-            raise TypeError(f"extra_key must be a str or None, got {type(extra_key).__name__}")
-        object.__setattr__(self, "token_ids", tuple(int(t) for t in token_ids))
-        object.__setattr__(self, "extra_key", extra_key)
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def __getitem__(self, item: slice) -> "RadixKey":
-        if not isinstance(item, slice):
-            raise TypeError("RadixKey supports slicing only")
-        return RadixKey(self.token_ids[item], self.extra_key)
-
-    def page(self, index: int, page_size: int) -> tuple[int, ...]:
-        """Tokens of page ``index`` (page units)."""
-        return self.token_ids[index * page_size : (index + 1) * page_size]
 
 
 class TreeNode:
@@ -60,7 +54,18 @@ class TreeNode:
     ancestors'); ``host_ref_counter`` > 0 protects its host value. ``hit_count`` counts inserts
     through the node (it drives ``write_through_selective``); ``access_count`` counts matches
     and inserts (it drives ``lfu``).
+
+    ``stamp`` (a point of one process-wide clock, ``new_stamp``) moves whenever the node's
+    key, any of its slot values, or its place in the tree changes: a match taken at clock ``t``
+    through nodes whose stamps are all below ``t`` saw them as they are now
+    (``match_reuse.py``).
     """
+
+    key = _stamped("key")
+    value = _stamped("value")
+    host_value = _stamped("host_value")
+    mamba_value = _stamped("mamba_value")
+    mamba_host_value = _stamped("mamba_host_value")
 
     def __init__(self, parent: "TreeNode | None" = None, key: RadixKey | None = None):
         self.id = next(_node_ids)
@@ -121,6 +126,9 @@ class TreeNode:
     def get_last_hash_value(self) -> str | None:
         return self.hash_value[-1] if self.hash_value else None
 
+    def unchanged_since(self, stamp: int) -> bool:
+        return self.stamp < stamp
+
 
 @dataclass
 class MatchResult:
@@ -130,9 +138,11 @@ class MatchResult:
     ``last_device_node``: deepest matched node with a device copy (the root on a miss).
     ``last_host_node``: deepest matched node (device or host copy); equals ``last_device_node``
     when nothing matched only on host. ``host_hit_length``: tokens between the two (host only).
+    ``path``: every node the match walked, root excluded (hybrid trees may stop short of its end).
     """
 
     device_indices: torch.Tensor = field(default_factory=empty_indices)
     last_device_node: TreeNode | None = None
     last_host_node: TreeNode | None = None
     host_hit_length: int = 0
+    path: tuple = ()

@@ -1,7 +1,9 @@
 """Stateful test of HiRadixCache: random requests with shared prefixes, matches, locks, device
 and host evictions, load-backs and partial event processing, across page sizes, write and
 eviction policies. Every hit is checked byte for byte (KV is a function of the prefix), and
-check_integrity() holds after every step; at the end every pool is back to full capacity."""
+check_integrity() holds after every step; at the end every pool is back to full capacity.
+Remembered matches (``match_reuse``) that still claim to be current must equal a fresh match
+after every step, whatever happened to the tree in between."""
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
+from sglang.srt.mem_cache.match_reuse import match_prefix_reusing
 from sglang.srt.mem_cache.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -36,6 +39,7 @@ class HiCacheMachine(RuleBasedStateMachine):
                               write_policy=write_policy, eviction_policy=eviction)
         self.pool = self.h.token_to_kv_pool_allocator.get_kvcache()
         self.running = []
+        self.remembered = {}  # (tokens, extra) -> ReusableMatch
 
     # Draws never depend on the machine's state (what runs is decided after drawing), so a run
     # replays exactly even though how many acks a check finds depends on thread timing.
@@ -82,6 +86,25 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.h.ready_to_load_host_cache()
         self.h.cache_controller.load_lane.synchronize()
         assert_kv(self.pool, torch.cat([m.device_indices, got]), tokens[: n + got.numel()], extra)
+
+    @rule(tokens=tokens_st, extra=extra_st)
+    def remember_match(self, tokens, extra):
+        slot = (tuple(tokens), extra)
+        old = self.remembered.get(slot)
+        key = old.key if old is not None else RadixKey(tokens, extra)
+        self.remembered[slot] = match_prefix_reusing(self.h, key, old)
+
+    @invariant()
+    def remembered_matches_that_are_current_equal_a_fresh_match(self):
+        for rec in getattr(self, "remembered", {}).values():
+            if not rec.is_current(self.h):
+                continue
+            fresh, kept = self.h.match_prefix(rec.key), rec.result
+            assert fresh.path == kept.path
+            assert torch.equal(fresh.device_indices, kept.device_indices)
+            assert fresh.last_device_node is kept.last_device_node and fresh.last_host_node is kept.last_host_node
+            assert fresh.host_hit_length == kept.host_hit_length
+            assert rec.is_current(self.h)  # the fresh match changed nothing it depends on
 
     @rule(num_tokens=st.integers(1, 16))
     def evict(self, num_tokens):

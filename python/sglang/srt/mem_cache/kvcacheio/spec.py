@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +15,7 @@ class ComponentIO:
 
     ``host`` is shaped by the layout (see ``pool_host/layout.py``), ``device`` is
     (layer_num, total_slots, *item_shape); both hold the same storage dtype. Maps are in elements.
+    ``views`` is a cache of the copy routines (mutated by them), not part of the pair's identity.
     """
 
     host: torch.Tensor
@@ -23,6 +24,9 @@ class ComponentIO:
     device_map: ItemMap
     layout: HostLayout
     page_size: int
+    # Strided page views of host / device built by the direct routine, reused by every job on
+    # this pair (a view call in a lane job is a GIL hand-off); lives and dies with the pair.
+    views: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def layer_num(self) -> int:
