@@ -26,7 +26,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")  # mem_cache.evict_policy.EvictionPolicy (checked in a test)
-LOG_LEVELS = ("debug", "info", "warning", "error")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")  # managers.schedule_policy.SchedulePolicy (checked in a test)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _choices(enum_cls) -> tuple[str, ...]:
@@ -52,6 +53,9 @@ class ServerArgs:
     tp_size: int = opt(1, "tensor parallel ranks (one process each)")
     context_length: int | None = opt(None, "max tokens per request (prompt + output); default: the model's")
     served_model_name: str | None = opt(None, "model id reported by /v1/models; default: the directory name")
+    tokenizer_path: str | None = opt(None, "directory with tokenizer.json (and tokenizer_config.json); "
+                                     "default: --model-path")
+    trust_remote_code: bool = opt(False, "accepted for upstream compatibility; no effect (models are in-tree)")
     random_seed: int = opt(0, "seed of dummy weights")
     # memory and scheduling
     page_size: int = opt(1, "tokens per KV page (tree, host pool and storage granularity)")
@@ -61,10 +65,17 @@ class ServerArgs:
     chunked_prefill_size: int = opt(2048, "max prefill tokens per step; -1 disables chunking")
     disable_radix_cache: bool = opt(False, "no prefix reuse: every prompt is computed from scratch")
     radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first", EVICTION_POLICIES)
+    schedule_policy: str = opt("fcfs", "order in which waiting requests are admitted: fcfs (arrival), lpm (longest "
+                               "cached prefix first), lof (longest output first), random", SCHEDULE_POLICIES)
+    schedule_conservativeness: float = opt(1.0, "scales the decode tokens reserved per admitted request (>= 1.0: "
+                                           "running requests are never retracted, so never less than they may need)")
     # HTTP
     host: str = opt("127.0.0.1", "address to bind")
     port: int = opt(30000, "port to bind")
     log_level: str = opt("info", "logging level", LOG_LEVELS)
+    enable_metrics: bool = opt(False, "accepted for upstream compatibility; /metrics is always served")
+    enable_cache_report: bool = opt(False, "accepted for upstream compatibility; OpenAI usage always reports "
+                                    "prompt_tokens_details.cached_tokens")
     # HiCache
     enable_hierarchical_cache: bool = opt(False, "keep evicted prefixes in a host pool (L2) and load them back")
     hicache_ratio: float = opt(2.0, "host pool size as a multiple of the device pool (when --hicache-size is 0)")
@@ -80,6 +91,8 @@ class ServerArgs:
                                                _choices(PrefetchPolicy))
     hicache_storage_backend_extra_config: str | None = opt(
         None, "backend options: a JSON object, or @path to a .json or .toml file")
+    disable_hicache_numa_detect: bool = opt(False, "accepted for upstream compatibility; no effect (host pools "
+                                            "are not NUMA-bound here)")
 
     def __post_init__(self):
         self._check_ranges()
@@ -100,6 +113,7 @@ class ServerArgs:
             ("chunked_prefill_size", self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
              f"-1 (no chunking) or >= --page-size ({self.page_size})"),
             ("port", 1 <= self.port <= 65535, "in [1, 65535]"),
+            ("schedule_conservativeness", 1.0 <= self.schedule_conservativeness <= 100.0, "in [1.0, 100.0]"),
             ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),
             ("hicache_ratio", self.hicache_size > 0 or self.hicache_ratio > 0, "> 0 when --hicache-size is 0"),
         ]
@@ -192,7 +206,10 @@ class ServerArgs:
             resolve_architecture(arch)
         except ValueError as exc:
             raise ValueError(f"--model-path {path!r}: {exc}") from None
-        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        if self.tokenizer_path is not None:
+            if not os.path.isfile(os.path.join(self.tokenizer_path, "tokenizer.json")):
+                raise ValueError(f"--tokenizer-path {self.tokenizer_path!r} has no tokenizer.json")
+        elif not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ValueError(f"--model-path {path!r} has no tokenizer.json")
 
 

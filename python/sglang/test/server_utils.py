@@ -96,25 +96,37 @@ def run_launcher(model_path: str, *flags: str, timeout_s: float = 60) -> subproc
                           start_new_session=True)
 
 
-def launch_server_process(model_path: str, *flags: str, timeout_s: float = 120, env: dict | None = None,
-                          log_dir: str | None = None) -> ServerProcess:
-    port = free_port()
-    fd, log_path = tempfile.mkstemp(prefix=f"sglang-server-{port}-", suffix=".log", dir=log_dir)
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port), *flags]
+def start_process(cmd: list[str], port: int, ready, what: str, timeout_s: float, env: dict | None = None,
+                  log_dir: str | None = None, handle=ServerProcess) -> ServerProcess:
+    """Start ``cmd`` in its own process group, logging to a temp file, and return
+    ``handle(proc, port, log)`` once ``ready(url)`` is true; ServerStartError (with the log tail)
+    if it exits first or is not ready within ``timeout_s``."""
+    fd, log_path = tempfile.mkstemp(prefix=f"sglang-{what}-{port}-", suffix=".log", dir=log_dir)
     with os.fdopen(fd, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(env),
                                 start_new_session=True)
-    server = ServerProcess(proc, port, log_path)
+    server = handle(proc, port, log_path)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             server.stop()
-            raise ServerStartError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if requests.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
-        except requests.RequestException:
-            pass
+            raise ServerStartError(f"{what} exited with {proc.returncode}:\n{server.log_tail()}")
+        if ready(server.url):
+            return server
         time.sleep(0.1)
     server.stop()
-    raise ServerStartError(f"server not healthy after {timeout_s} s:\n{server.log_tail()}")
+    raise ServerStartError(f"{what} not ready after {timeout_s} s:\n{server.log_tail()}")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def launch_server_process(model_path: str, *flags: str, timeout_s: float = 120, env: dict | None = None,
+                          log_dir: str | None = None) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port), *flags]
+    return start_process(cmd, port, _healthy, "server", timeout_s, env=env, log_dir=log_dir)

@@ -1,8 +1,8 @@
 """The HTTP server: FastAPI routes over the Engine, served by uvicorn.
 
-Native routes: ``/generate`` (text or input_ids, SSE streaming), ``/health``,
-``/get_server_info``, ``/flush_cache``, ``/metrics`` (Prometheus text). OpenAI-compatible
-routes live in ``openai_api.py``. Bad input answers 4xx with ``{"error": {"message": ...}}``
+Native routes: ``/generate`` (text or input_ids, SSE streaming), ``/health``, ``/flush_cache``;
+``/get_server_info``, ``/get_model_info`` and ``/metrics`` live in ``info_routes.py``,
+the OpenAI-compatible routes in ``openai_api.py``. Bad input answers 4xx with ``{"error": {"message": ...}}``
 and the server keeps serving; a dead scheduler makes every route answer 503.
 """
 
@@ -17,21 +17,27 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.entrypoints.http_common import SSE_DONE, error_response, meta_info, read_json, refusal_message, sse
+from sglang.srt.entrypoints.hicache_admin import register_hicache_admin_routes
+from sglang.srt.entrypoints.info_routes import register_info_routes
 from sglang.srt.entrypoints.openai_api import register_openai_routes
 from sglang.srt.managers.generate_request import BadRequestError, GenerateReqInput
 from sglang.srt.managers.io_struct import ControlKind
 from sglang.srt.managers.tokenizer_manager import EngineDeadError
-from sglang.srt.metrics.collector import render_metrics
 
 logger = logging.getLogger(__name__)
 
 
-def generate_response(state, obj: GenerateReqInput) -> dict:
+def generate_response(state, obj: GenerateReqInput, tokenizer) -> dict:
+    """Upstream's shape; logprob entries are [logprob, token id, token text or None]."""
     meta = meta_info(state)
+
+    def text(token_id: int) -> str | None:
+        return tokenizer.decode([token_id], skip_special_tokens=False) if obj.return_text_in_logprobs else None
+
     if obj.return_logprob:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(state.logprobs, state.output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(state.logprobs, state.output_ids)]
         if obj.top_logprobs_num:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in top] for top in state.top_logprobs]
+            meta["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in top] for top in state.top_logprobs]
     return {"text": state.detok.text(state.output_ids, state.finish), "output_ids": list(state.output_ids),
             "meta_info": meta}
 
@@ -56,7 +62,7 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(BadRequestError)
     async def bad_request(request: Request, exc: BadRequestError):
-        tm.metrics.num_bad_requests += 1
+        tm.metrics.on_bad_request()
         return error_response(400, str(exc))
 
     @app.exception_handler(EngineDeadError)
@@ -75,13 +81,14 @@ def create_app(engine: Engine) -> FastAPI:
         message = refusal_message(state)
         if message is not None:
             raise BadRequestError(message)
-        return JSONResponse(generate_response(state, obj))
+        return JSONResponse(generate_response(state, obj, tm.tokenizer))
 
     async def _stream_generate(req, obj, request):
         try:
             async for state in tm.generate(req, request):
                 message = refusal_message(state)
-                yield sse({"error": {"message": message, "code": 400}} if message else generate_response(state, obj))
+                yield sse({"error": {"message": message, "code": 400}} if message
+                          else generate_response(state, obj, tm.tokenizer))
         except EngineDeadError as exc:
             yield sse({"error": {"message": str(exc), "code": 503}})
         yield SSE_DONE
@@ -92,12 +99,6 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(503, tm.error or "a scheduler process is not running", "ServiceUnavailable")
         return Response(status_code=200)
 
-    @app.get("/get_server_info")
-    async def server_info():
-        stats = await tm.control(ControlKind.GET_STATS)
-        return {**engine.args.to_dict(), **engine.info, "model_name": engine.args.model_name,
-                "version": _version(), "scheduler": stats.payload}
-
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         out = await tm.control(ControlKind.FLUSH_CACHE)
@@ -107,20 +108,10 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(400, out.message)
         return PlainTextResponse(out.message + "\n")
 
-    @app.get("/metrics")
-    async def metrics():
-        stats = await tm.control(ControlKind.GET_STATS)
-        return PlainTextResponse(render_metrics(stats.payload, tm.metrics, engine.args.model_name),
-                                 media_type="text/plain; version=0.0.4")
-
+    register_info_routes(app, engine)
     register_openai_routes(app, engine)
+    register_hicache_admin_routes(app, engine)
     return app
-
-
-def _version() -> str:
-    from sglang import __version__
-
-    return __version__
 
 
 def launch_server(server_args) -> None:

@@ -2,7 +2,9 @@
 
 Responses follow the OpenAI shapes; ``usage.prompt_tokens_details`` carries ``cached_tokens``
 and, beyond OpenAI, ``cached_tokens_details`` (tokens reused from device, host and storage).
-Streams are server-sent events of chunk objects ending with ``data: [DONE]``.
+Streams are server-sent events of chunk objects ending with ``data: [DONE]``; with
+``stream_options.continuous_usage_stats`` every chunk carries the usage so far. The
+response's ``model`` is the request's (as upstream), or the served name when none was given.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sglang.srt.entrypoints.http_common import SSE_DONE, read_json, refusal_message, sse
-from sglang.srt.entrypoints.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from sglang.srt.entrypoints.openai_convert import OpenAIRequest, parse_chat, parse_completion
 from sglang.srt.managers.generate_request import BadRequestError
 from sglang.srt.managers.tokenizer_manager import EngineDeadError
 
@@ -107,7 +109,10 @@ class _Route:
                 end = len(state.output_ids)
                 choice = self._choice(state, text, sent, end, True, first)
                 sent, first = end, False
-                yield sse(self._envelope(state, oreq.model, choice, True))
+                chunk = self._envelope(state, oreq.model, choice, True)
+                if oreq.continuous_usage:
+                    chunk["usage"] = usage(state)
+                yield sse(chunk)
             if state is not None and state.finish is not None and oreq.include_usage:
                 chunk = self._envelope(state, oreq.model, {}, True)
                 chunk["choices"], chunk["usage"] = [], usage(state)

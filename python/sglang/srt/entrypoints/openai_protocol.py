@@ -1,135 +1,223 @@
-"""OpenAI request bodies -> GenerateReqInput, with the same strictness as /generate.
+"""OpenAI request bodies as pydantic models, with upstream sglang's field sets.
 
-Accepted fields are listed per endpoint; an unknown field, a wrong type or a feature this
-engine lacks (n > 1, echo, penalties, tools, logit_bias) is a BadRequestError naming it.
+``CompletionRequest`` and ``ChatCompletionRequest`` take every field of upstream's models of the
+same names (``entrypoints/openai/protocol.py`` there). Fields this engine honours behave as
+upstream; the others are accepted at their default value and refused otherwise
+(``UNSUPPORTED``, with the reason). ``openai_convert.py`` turns a request into a
+``GenerateReqInput``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any, Optional, Union
 
-from sglang.srt.managers.generate_request import BadRequestError, GenerateReqInput, check_token_ids, check_type
+from sglang.srt.managers.request_schema import RequestModel, Unsupported
 
-NUMBER = (int, float)
-COMMON = {
-    "model": (str,), "max_tokens": (int, type(None)), "temperature": NUMBER, "top_p": NUMBER, "top_k": (int,),
-    "min_p": NUMBER, "n": (int,), "stream": (bool,), "stream_options": (dict, type(None)),
-    "stop": (str, list, type(None)), "seed": (int, type(None)), "presence_penalty": NUMBER,
-    "frequency_penalty": NUMBER, "user": (str, type(None)), "ignore_eos": (bool,), "skip_special_tokens": (bool,),
-    "logit_bias": (dict, type(None)),
-}
-COMPLETION = {**COMMON, "prompt": (str, list), "logprobs": (int, type(None)), "echo": (bool,),
-              "suffix": (str, type(None)), "best_of": (int, type(None))}
-CHAT = {**COMMON, "messages": (list,), "logprobs": (bool, type(None)), "top_logprobs": (int, type(None)),
-        "max_completion_tokens": (int, type(None)), "tools": (list, type(None)), "tool_choice": (str, dict, type(None)),
-        "response_format": (dict, type(None))}
-# field -> the only value(s) this engine supports
-UNSUPPORTED = {"n": (1,), "echo": (False,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-               "suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None,), "tools": (None,)}
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (upstream's too)
+CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
+_PD = "disaggregation is not enabled on this server (prefill/decode serving is not implemented yet)"
+_DP = "this server has a single data-parallel rank (0)"
+_GRAMMAR = "constrained decoding is not implemented"
+_PENALTY = "penalties are not implemented"
 
 
-@dataclass
-class OpenAIRequest:
-    gen: GenerateReqInput
-    model: str
-    include_usage: bool
-    logprobs: bool
+class StreamOptions(RequestModel):
+    include_usage: Optional[bool] = False
+    continuous_usage_stats: Optional[bool] = False
 
 
-def _check_fields(body: dict, allowed: dict) -> None:
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise BadRequestError(f"unknown fields {unknown}; allowed: {sorted(allowed)}")
-    for name, value in body.items():
-        types = allowed[name]
-        check_type(name, value, types, " or ".join("null" if t is type(None) else t.__name__ for t in types))
-    for name, ok in UNSUPPORTED.items():
-        if name in body and body[name] not in ok:
-            raise BadRequestError(f"{name}={body[name]!r} is not supported by this server; allowed: {list(ok)}")
+class _OpenAIBase(RequestModel):
+    """Fields that completions and chat share."""
+
+    model: str = ""
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    return_hidden_states: Union[bool, str] = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_cached_tokens_details: bool = False  # cached_tokens_details is always in usage here
+    return_token_ids: bool = False
+    min_tokens: int = 0
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    stop_token_ids: Optional[list[int]] = None
+    stop_regex: Optional[Union[str, list[str]]] = None
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    lora_path: Optional[Union[str, list]] = None
+    session_id: Optional[str] = None
+    session_params: Optional[dict] = None
+    response_format: Optional[dict] = None
+    custom_params: Optional[dict] = None
+    custom_logit_processor: Optional[Union[str, list]] = None
+    images_config: Optional[dict] = None
+    bootstrap_host: Optional[Union[str, list]] = None
+    bootstrap_port: Optional[Union[int, list]] = None
+    bootstrap_room: Optional[Union[int, list]] = None
+    routed_dp_rank: Optional[int] = None
+    disagg_prefill_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+    rid: Optional[Union[str, list]] = None
+    extra_key: Optional[Union[str, list]] = None
+    cache_salt: Optional[Union[str, list]] = None
+    ngram_corpus_id: Optional[Union[str, list]] = None
+    priority: Optional[int] = None
+
+    UNSUPPORTED = {
+        "frequency_penalty": Unsupported(_PENALTY),
+        "presence_penalty": Unsupported(_PENALTY),
+        "logit_bias": Unsupported("logit bias is not implemented"),
+        "n": Unsupported("one choice per request (send n requests)"),
+        "return_hidden_states": Unsupported("hidden states are not returned"),
+        "return_routed_experts": Unsupported("no mixture-of-experts routing is recorded"),
+        "routed_experts_start_len": Unsupported("no mixture-of-experts routing is recorded"),
+        "return_token_ids": Unsupported("token ids are not returned in choices"),
+        "min_tokens": Unsupported("a minimum output length is not implemented"),
+        "regex": Unsupported(_GRAMMAR),
+        "ebnf": Unsupported(_GRAMMAR),
+        "stop_regex": Unsupported("regular-expression stops are not implemented"),
+        "no_stop_trim": Unsupported("a matched stop string is always trimmed from the output"),
+        "lora_path": Unsupported("LoRA adapters are not supported"),
+        "session_params": Unsupported("sessions are not implemented"),
+        "custom_params": Unsupported("custom logit processors are not implemented"),
+        "custom_logit_processor": Unsupported("custom logit processors are not implemented"),
+        "images_config": Unsupported("multimodal inputs are not supported (text-only models)"),
+        "bootstrap_host": Unsupported(_PD),
+        "bootstrap_port": Unsupported(_PD),
+        "bootstrap_room": Unsupported(_PD),
+        "routed_dp_rank": Unsupported(_DP, also=(0,)),
+        "disagg_prefill_dp_rank": Unsupported(_DP, also=(0,)),
+        "data_parallel_rank": Unsupported(_DP, also=(0,)),
+        "extra_key": Unsupported("per-request cache namespaces are not implemented yet"),
+        "cache_salt": Unsupported("per-request cache namespaces are not implemented yet"),
+        "ngram_corpus_id": Unsupported("n-gram speculative decoding is not implemented"),
+        "priority": Unsupported("priority scheduling is not implemented"),
+    }
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 128}  # OpenAI's 16 for completions; chat is open-ended there
+class CompletionRequest(_OpenAIBase):
+    prompt: Union[str, list]
+    best_of: Optional[int] = None
+    echo: bool = False
+    logprobs: Optional[int] = None
+    max_tokens: int = 16
+    suffix: Optional[str] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    json_schema: Optional[str] = None
+    repetition_penalty: float = 1.0
+    custom_labels: Optional[dict] = None
+
+    UNSUPPORTED = {
+        **_OpenAIBase.UNSUPPORTED,
+        "best_of": Unsupported("one choice per request", also=(1,)),
+        "echo": Unsupported("the prompt is not echoed"),
+        "suffix": Unsupported("insertion (suffix) is not implemented"),
+        "json_schema": Unsupported(_GRAMMAR),
+        "repetition_penalty": Unsupported(_PENALTY),
+        "custom_labels": Unsupported("custom metric labels are not enabled"),
+    }
 
 
-def _sampling_params(body: dict, max_tokens, default: int) -> dict:
-    params = {"max_new_tokens": default if max_tokens is None else max_tokens}
-    if params["max_new_tokens"] < 0:
-        raise BadRequestError(f"max_tokens must be >= 0, got {params['max_new_tokens']}")
-    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-                     ("seed", "sampling_seed"), ("ignore_eos", "ignore_eos"),
-                     ("skip_special_tokens", "skip_special_tokens")):
-        if body.get(src) is not None:
-            params[dst] = body[src]
-    stop = body.get("stop")
-    if stop is not None:
-        params["stop"] = [stop] if isinstance(stop, str) else stop
-    return params
+class ContentPart(RequestModel):
+    type: str
+    text: Optional[str] = None
+    thinking: Optional[str] = None
+    image_url: Any = None
+    video_url: Any = None
+    audio_url: Any = None
+    name: Optional[str] = None
+    modalities: Optional[str] = None
 
 
-def _include_usage(body: dict) -> bool:
-    opts = body.get("stream_options") or {}
-    return bool(opts.get("include_usage", False))
+class ChatMessage(RequestModel):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list] = None
+    tools: Optional[list] = None
+
+    UNSUPPORTED = {
+        "tool_call_id": Unsupported("tool calling is not implemented"),
+        "tool_calls": Unsupported("tool calling is not implemented"),
+        "tools": Unsupported("tool calling is not implemented"),
+        "reasoning_content": Unsupported("reasoning content is not rendered into prompts"),
+    }
+
+    def check_values(self) -> None:
+        if self.role.lower() not in CHAT_ROLES:
+            raise ValueError(f"message role {self.role!r} is not allowed; choose one of: {', '.join(CHAT_ROLES)}")
+        self.role = self.role.lower()
 
 
-def parse_completion(body: dict) -> OpenAIRequest:
-    _check_fields(body, COMPLETION)
-    if "prompt" not in body:
-        raise BadRequestError("prompt is required")
-    prompt, text, ids = body["prompt"], None, None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        text = prompt
-    elif prompt and all(isinstance(t, str) for t in prompt):
-        raise BadRequestError("a list of several prompts is not supported; send one prompt per request")
-    else:
-        ids = check_token_ids("prompt", prompt)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs < 0:
-        raise BadRequestError(f"logprobs must be >= 0, got {logprobs}")
-    params = _sampling_params(body, body.get("max_tokens"), DEFAULT_MAX_TOKENS["completion"])
-    gen = GenerateReqInput(text=text, input_ids=ids, sampling_params=params, stream=body.get("stream", False),
-                           return_logprob=logprobs is not None, top_logprobs_num=logprobs or 0)
-    gen.validate()
-    return OpenAIRequest(gen, body.get("model", ""), _include_usage(body), logprobs is not None)
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    tools: Optional[list] = None
+    tool_choice: Union[str, dict] = "auto"
+    parallel_tool_calls: bool = True  # without tools it changes nothing
+    return_prompt_token_ids: bool = False
+    return_meta_info: bool = False
+    reasoning_effort: Optional[Union[str, float]] = None
+    reasoning: Optional[dict] = None
+    task: Optional[str] = None
+    continue_final_message: bool = False
+    separate_reasoning: bool = True  # no reasoning parser here: as upstream without one, no effect
+    stream_reasoning: bool = True
+    chat_template_kwargs: Optional[dict] = None
+    max_dynamic_patch: Optional[int] = None
+    min_dynamic_patch: Optional[int] = None
+    use_audio_in_video: bool = False
+    input_ids: Optional[list[int]] = None  # honoured: the prompt, bypassing the chat template
 
+    UNSUPPORTED = {
+        **_OpenAIBase.UNSUPPORTED,
+        "repetition_penalty": Unsupported(_PENALTY, also=(1.0,)),
+        "tools": Unsupported("tool calling is not implemented"),
+        "tool_choice": Unsupported("tool calling is not implemented", also=("none",)),
+        "return_prompt_token_ids": Unsupported("prompt token ids are not returned"),
+        "return_meta_info": Unsupported("meta info is not returned in choices"),
+        "reasoning_effort": Unsupported("reasoning controls are not implemented"),
+        "reasoning": Unsupported("reasoning controls are not implemented"),
+        "task": Unsupported("quick-instruction tasks are not implemented"),
+        "continue_final_message": Unsupported("continuing the final assistant message is not implemented"),
+        "chat_template_kwargs": Unsupported("chat template arguments are not implemented"),
+        "max_dynamic_patch": Unsupported("multimodal inputs are not supported (text-only models)"),
+        "min_dynamic_patch": Unsupported("multimodal inputs are not supported (text-only models)"),
+        "use_audio_in_video": Unsupported("multimodal inputs are not supported (text-only models)"),
+    }
 
-def _message_text(i: int, message) -> dict:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise BadRequestError(f"messages[{i}] must be an object with a string 'role'")
-    content = message.get("content")
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequestError(f"messages[{i}].content parts must be {{'type': 'text', 'text': str}}")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if not isinstance(content, str):
-        raise BadRequestError(f"messages[{i}].content must be a string or a list of text parts")
-    return {"role": message["role"], "content": content}
-
-
-def parse_chat(body: dict, tokenizer) -> OpenAIRequest:
-    _check_fields(body, CHAT)
-    messages = body.get("messages")
-    if not messages:
-        raise BadRequestError("messages is required and must not be empty")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt.get("type") != "text":
-        raise BadRequestError(f"response_format {fmt!r} is not supported; allowed: {{'type': 'text'}}")
-    try:
-        prompt = tokenizer.apply_chat_template([_message_text(i, m) for i, m in enumerate(messages)])
-    except ValueError as exc:
-        raise BadRequestError(str(exc)) from None
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    top = body.get("top_logprobs") or 0
-    if top < 0:
-        raise BadRequestError(f"top_logprobs must be >= 0, got {top}")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    logprobs = bool(body.get("logprobs"))
-    params = _sampling_params(body, max_tokens, DEFAULT_MAX_TOKENS["chat"])
-    gen = GenerateReqInput(input_ids=ids, sampling_params=params, stream=body.get("stream", False),
-                           return_logprob=logprobs, top_logprobs_num=top if logprobs else 0)
-    gen.validate()
-    return OpenAIRequest(gen, body.get("model", ""), _include_usage(body), logprobs)
+    def check_values(self) -> None:
+        if not self.messages:
+            raise ValueError("messages is required and must not be empty")
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")

@@ -1,31 +1,32 @@
-"""GenerateReqInput: the body of ``POST /generate``, validated field by field.
+"""GenerateReqInput: the body of ``POST /generate``, with upstream sglang's field set.
 
-Every problem raises ``BadRequestError`` (HTTP 400) with a message naming the field and what
-is allowed; nothing reaches the scheduler unless it is well-formed.
+Honoured: ``text`` / ``input_ids``, ``sampling_params``, ``stream``, ``return_logprob``,
+``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``, ``logprob_start_len`` (-1: output
+tokens only), ``no_logs`` (request contents are never logged), ``model``, ``stream_options``,
+``session_id`` / ``conversation_id`` / ``routing_key`` (labels without effect here). Every other
+upstream field is accepted at its default and refused otherwise (``UNSUPPORTED``). Problems raise
+``BadRequestError`` (HTTP 400) naming the field; nothing reaches the scheduler unless well-formed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
 
+from sglang.srt.managers.request_schema import BadRequestError, RequestModel, Unsupported, parse_request
 from sglang.srt.sampling.sampling_params import SamplingParams
 
+__all__ = ["BadRequestError", "GenerateReqInput", "check_token_ids", "parse_sampling_params"]
 
-class BadRequestError(ValueError):
-    """The request cannot be served as sent (HTTP 400)."""
-
-
-def check_type(name: str, value, types: tuple, allowed: str):
-    """``value`` if it is one of ``types`` (bool is not an int here), else BadRequestError."""
-    if isinstance(value, bool) and bool not in types:
-        raise BadRequestError(f"{name} must be {allowed}, got {value!r}")
-    if not isinstance(value, types):
-        raise BadRequestError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}"[:300])
-    return value
+BATCH = "batch requests (a list of prompts) are not supported; send one prompt per request"
+_MM = "multimodal inputs are not supported (text-only models)"
+_PD = "disaggregation is not enabled on this server (prefill/decode serving is not implemented yet)"
+_DP = "this server has a single data-parallel rank (0)"
+_INTERNAL = "an internal field of upstream's tokenizer manager"
 
 
 def check_token_ids(name: str, ids) -> list[int]:
-    check_type(name, ids, (list,), "a list of token ids")
+    if not isinstance(ids, list):
+        raise BadRequestError(f"{name} must be a list of token ids, got {type(ids).__name__}")
     if not ids:
         raise BadRequestError(f"{name} must not be empty")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -40,48 +41,142 @@ def parse_sampling_params(params: dict) -> SamplingParams:
         raise BadRequestError(str(exc)) from None
 
 
-@dataclass
-class GenerateReqInput:
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict = field(default_factory=dict)
+class GenerateReqInput(RequestModel):
+    # honoured
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[list] = None
+    sampling_params: Optional[Union[dict, list]] = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    rid: str | None = None
+    return_logprob: Optional[Union[bool, list]] = None
+    logprob_start_len: Optional[Union[int, list]] = None
+    top_logprobs_num: Optional[Union[int, list]] = None
+    return_text_in_logprobs: bool = False
+    rid: Optional[Union[str, list]] = None
+    no_logs: bool = False
+    log_metrics: bool = True
+    model: Optional[str] = None  # sent by sglang-router; the server has one model
+    stream_options: Optional[dict] = None  # sent by benchmark clients; meta_info always carries usage
+    session_id: Optional[str] = None
+    conversation_id: Optional[str] = None
+    routing_key: Optional[str] = None
+    # accepted at their default only
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: bool = False
+    video_config: Optional[dict] = None
+    token_ids_logprob: Optional[list] = None
+    return_sampling_mask: Optional[Union[bool, list]] = None
+    return_flat_raw_top_logprobs: bool = False
+    return_flat_raw_top_logprobs_b64: bool = False
+    return_hidden_states: Union[bool, str, list] = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    return_indexer_topk: bool = False
+    modalities: Optional[list] = None
+    session_params: Optional[dict] = None
+    lora_path: Optional[Union[str, list]] = None
+    lora_id: Optional[Union[str, list]] = None
+    custom_logit_processor: Optional[Union[str, list]] = None
+    positional_embed_overrides: Any = None
+    bootstrap_host: Optional[Union[str, list]] = None
+    bootstrap_port: Optional[Union[int, list]] = None
+    bootstrap_room: Optional[Union[int, list]] = None
+    bootstrap_pair_key: Optional[Union[str, list]] = None
+    decode_tp_size: Optional[Union[int, list]] = None
+    routed_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+    disagg_prefill_dp_rank: Optional[int] = None
+    kv_router_hint: Optional[dict] = None
+    http_worker_ipc: Optional[str] = None
+    background: bool = False
+    require_reasoning: bool = False
+    max_thinking_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    extra_key: Optional[Union[str, list]] = None
+    cache_salt: Optional[Union[str, list]] = None
+    custom_labels: Optional[dict] = None
+    return_bytes: bool = False
+    return_entropy: bool = False
+    return_prompt_token_ids: bool = False
+    external_trace_header: Optional[dict] = None
+    received_time: Optional[float] = None
+    need_wait_for_mm_inputs: Optional[bool] = None
+    num_items_assigned: Optional[dict] = None
+    encoder_urls: Optional[list] = None
+    max_dynamic_patch: Optional[int] = None
+    min_dynamic_patch: Optional[int] = None
+    image_max_dynamic_patch: Optional[int] = None
+    video_max_dynamic_patch: Optional[int] = None
+    images_config: Optional[dict] = None
+    multi_item_delimiter_indices: Optional[list] = None
+
+    UNSUPPORTED = {
+        "log_metrics": Unsupported("every request is counted in /metrics"),
+        **{name: Unsupported(_MM) for name in (
+            "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+            "use_audio_in_video", "video_config", "modalities", "need_wait_for_mm_inputs", "num_items_assigned",
+            "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+            "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices", "positional_embed_overrides")},
+        "token_ids_logprob": Unsupported("logprobs of chosen token ids are not implemented"),
+        "return_sampling_mask": Unsupported("sampling masks are not returned"),
+        "return_flat_raw_top_logprobs": Unsupported("top logprobs come as nested lists only"),
+        "return_flat_raw_top_logprobs_b64": Unsupported("top logprobs come as nested lists only"),
+        "return_hidden_states": Unsupported("hidden states are not returned"),
+        "return_routed_experts": Unsupported("no mixture-of-experts routing is recorded"),
+        "routed_experts_start_len": Unsupported("no mixture-of-experts routing is recorded"),
+        "return_indexer_topk": Unsupported("no indexer top-k is recorded"),
+        "session_params": Unsupported("sessions are not implemented"),
+        "lora_path": Unsupported("LoRA adapters are not supported"),
+        "lora_id": Unsupported("LoRA adapters are not supported"),
+        "custom_logit_processor": Unsupported("custom logit processors are not implemented"),
+        **{name: Unsupported(_PD) for name in (
+            "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size")},
+        **{name: Unsupported(_DP, also=(0,)) for name in (
+            "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")},
+        "kv_router_hint": Unsupported("KV router hints are not implemented"),
+        "http_worker_ipc": Unsupported(_INTERNAL),
+        "received_time": Unsupported(_INTERNAL),
+        "background": Unsupported("background responses are not implemented"),
+        "require_reasoning": Unsupported("reasoning controls are not implemented"),
+        "max_thinking_tokens": Unsupported("reasoning controls are not implemented"),
+        "priority": Unsupported("priority scheduling is not implemented"),
+        "extra_key": Unsupported("per-request cache namespaces are not implemented yet"),
+        "cache_salt": Unsupported("per-request cache namespaces are not implemented yet"),
+        "custom_labels": Unsupported("custom metric labels are not enabled"),
+        "return_bytes": Unsupported("image generation is not supported"),
+        "return_entropy": Unsupported("entropies are not returned"),
+        "return_prompt_token_ids": Unsupported("prompt token ids are not returned"),
+        "external_trace_header": Unsupported("request tracing is not implemented"),
+    }
 
     @classmethod
     def from_json(cls, body) -> "GenerateReqInput":
-        if not isinstance(body, dict):
-            raise BadRequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(body) - set(known))
-        if unknown:
-            raise BadRequestError(f"unknown fields {unknown}; allowed: {known}")
-        obj = cls(**body)
-        obj.validate()
-        return obj
+        return parse_request(cls, body, "/generate")
 
-    def validate(self) -> None:
+    def check_values(self) -> None:
+        batch = [isinstance(v, list) for v in (self.text, self.rid, self.sampling_params, self.return_logprob,
+                                                self.logprob_start_len, self.top_logprobs_num)]
+        if any(batch) or (isinstance(self.input_ids, list) and self.input_ids and isinstance(self.input_ids[0], list)):
+            raise BadRequestError(BATCH)
         if (self.text is None) == (self.input_ids is None):
             raise BadRequestError("give exactly one of 'text' and 'input_ids'")
-        if self.text is not None:
-            if isinstance(self.text, list):
-                raise BadRequestError("batch requests (a list of prompts) are not supported; "
-                                      "send one prompt per request")
-            check_type("text", self.text, (str,), "a string")
-            if not self.text:
-                raise BadRequestError("text must not be empty")
-        else:
+        if self.text is not None and not self.text:
+            raise BadRequestError("text must not be empty")
+        if self.input_ids is not None:
             check_token_ids("input_ids", self.input_ids)
-        check_type("sampling_params", self.sampling_params, (dict,), "a JSON object")
-        check_type("stream", self.stream, (bool,), "true or false")
-        check_type("return_logprob", self.return_logprob, (bool,), "true or false")
-        check_type("top_logprobs_num", self.top_logprobs_num, (int,), "an integer >= 0")
+        self.sampling_params = {} if self.sampling_params is None else self.sampling_params
+        self.return_logprob = bool(self.return_logprob)
+        self.top_logprobs_num = self.top_logprobs_num or 0
         if self.top_logprobs_num < 0:
             raise BadRequestError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
-        if self.rid is not None:
-            check_type("rid", self.rid, (str,), "a string")
+        if self.logprob_start_len not in (None, -1) and self.return_logprob:
+            raise BadRequestError(f"logprob_start_len={self.logprob_start_len} is not supported by this server: "
+                                  "prompt logprobs are not computed; use -1 (output tokens only)")
+        self.logprob_start_len = -1 if self.logprob_start_len is None else self.logprob_start_len
 
     def parsed_sampling_params(self) -> SamplingParams:
         return parse_sampling_params(self.sampling_params)

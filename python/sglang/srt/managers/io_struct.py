@@ -43,12 +43,17 @@ class AbortReq:
 class ControlKind(str, Enum):
     FLUSH_CACHE = "flush_cache"
     GET_STATS = "get_stats"
+    # runtime L3 attach/detach (managers/storage_admin.py); payload: the request's fields
+    ATTACH_HICACHE_STORAGE = "attach_hicache_storage"
+    DETACH_HICACHE_STORAGE = "detach_hicache_storage"
+    GET_HICACHE_STORAGE = "get_hicache_storage"
 
 
 @dataclass
 class ControlReq:
     cid: int
     kind: ControlKind
+    payload: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -52,6 +52,7 @@ class ReqState:
     finish: dict | None = None
     cached_tokens: dict = field(default_factory=empty_tier_counts)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -63,7 +64,7 @@ class TokenizerManager:
     def __init__(self, server_args, engine_info: dict, in_queue, out_queue):
         self.args = server_args
         self.info = engine_info
-        self.tokenizer = get_tokenizer(server_args.model_path)
+        self.tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
         self.context_len = engine_info["context_len"]
         self.vocab_size = engine_info["vocab_size"]
         self.max_total_tokens = engine_info["max_total_num_tokens"]
@@ -71,7 +72,7 @@ class TokenizerManager:
         self.rid_to_state: dict[str, ReqState] = {}
         self.controls: dict[int, asyncio.Future] = {}
         self._cids = itertools.count(1)
-        self.metrics = RequestMetrics()
+        self.metrics = RequestMetrics(server_args.model_name)
         self.error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -107,16 +108,20 @@ class TokenizerManager:
         if state is None:
             return  # its handler already left
         now = time.perf_counter()
-        if out.token_ids and state.first_token_time is None:
-            state.first_token_time = now
-            self.metrics.time_to_first_token.observe(now - state.created)
+        if out.token_ids:
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.on_first_token(now - state.created)
+            interval = None if state.last_token_time is None else now - state.last_token_time
+            self.metrics.on_tokens(len(out.token_ids), interval)
+            state.last_token_time = now
         state.output_ids += out.token_ids
         state.logprobs += out.logprobs or []
         state.top_logprobs += out.top_logprobs or []
         state.cached_tokens = out.cached_tokens
         if out.finish is not None:
             state.finish = out.finish
-            self.metrics.e2e_request_latency.observe(now - state.created)
+            self.metrics.on_finished(now - state.created, state.prompt_tokens, sum(out.cached_tokens.values()))
         state.event.set()
 
     def _on_fatal(self, message: str) -> None:
@@ -188,13 +193,13 @@ class TokenizerManager:
                 self.in_queue.put(AbortReq(req.rid))
             self.rid_to_state.pop(req.rid, None)
 
-    async def control(self, kind: ControlKind, timeout: float = 60.0) -> ControlOutput:
+    async def control(self, kind: ControlKind, timeout: float = 60.0, payload: dict | None = None) -> ControlOutput:
         if self.error is not None:
             raise EngineDeadError(self.error)
         cid = next(self._cids)
         fut = self._loop.create_future()
         self.controls[cid] = fut
-        self.in_queue.put(ControlReq(cid, kind))
+        self.in_queue.put(ControlReq(cid, kind, dict(payload or {})))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -53,7 +53,7 @@ class PrefetchPolicy(ChoiceEnum):
         return "prefetch_policy"
 
 
-DEFAULT_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
+DEFAULT_PREFETCH_POLICY = PrefetchPolicy.BEST_EFFORT  # upstream's default
 
 _THRESHOLD = {
     WritePolicy.WRITE_THROUGH: 1,

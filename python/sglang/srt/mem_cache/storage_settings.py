@@ -12,6 +12,7 @@ names the key.
 | ``prefetch_timeout_per_ki_token`` | s / 1024 tokens | 0.25 | ``timeout`` policy: per hit token |
 | ``prefetch_timeout_max`` | s | 30.0 | every policy: a prefetch never waits longer |
 | ``flush_timeout_s`` | s | 5.0 | ``reset`` (flush) waits at most this long for storage operations |
+| ``hicache_storage_pass_prefix_keys`` | bool | false | upstream's switch to hand backends the keys of the preceding pages; accepted, no effect: every key here already chains its prefix |
 
 ``flush_timeout_s`` bounds ``/flush_cache``: operations still running after it (a hung backend)
 are abandoned, their host slots quarantined until the backend returns, and ``reset`` raises
@@ -31,6 +32,7 @@ class StorageSettings:
     prefetch_timeout_per_ki_token: float = 0.25
     prefetch_timeout_max: float = 30.0
     flush_timeout_s: float = 5.0
+    hicache_storage_pass_prefix_keys: bool = False
 
     def timeout_budget(self, hit_tokens: int) -> float:
         """Seconds the ``timeout`` policy waits for a prefetch of ``hit_tokens`` found tokens."""
@@ -45,6 +47,7 @@ _KEYS = {
     "prefetch_timeout_per_ki_token": (float, 0.0, False),
     "prefetch_timeout_max": (float, 0.0, True),
     "flush_timeout_s": (float, 0.0, True),
+    "hicache_storage_pass_prefix_keys": (bool, None, False),
 }
 CONTROLLER_KEYS = tuple(_KEYS)
 
@@ -52,6 +55,12 @@ CONTROLLER_KEYS = tuple(_KEYS)
 def _value(name: str, raw):
     kind, minimum, strict = _KEYS[name]
     what = f"storage extra config key {name!r}"
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+        raise ValueError(f"{what} must be a boolean (true/false), got {raw!r}")
     if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
         raise ValueError(f"{what} must be a number, got {raw!r}")
     try:

@@ -1,124 +1,181 @@
-"""Prometheus text exposition: a histogram type, the HTTP side's request metrics, and the
-renderer that merges them with the scheduler's snapshot (``SchedulerStats.snapshot``).
+"""The /metrics page through ``prometheus_client``: the HTTP process's request metrics in a
+private ``CollectorRegistry`` per server, and the scheduler's snapshot
+(``SchedulerStats.snapshot``) exposed as metric families at scrape time.
 
-Names follow upstream sglang (``sglang:`` prefix, ``_total`` counters, ``_seconds``
-histograms). Units: tokens unless the name says otherwise.
+Names follow upstream sglang where upstream has the metric (``sglang:`` prefix, label
+``model_name``, upstream's histogram buckets); ours add the cache tiers, host transfers and the
+storage backend's counters. Units: tokens unless the name says otherwise.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
+import time
+from collections import deque
 
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+__all__ = ["CONTENT_TYPE_LATEST", "RequestMetrics", "render_metrics"]
 
-class Histogram:
-    """Cumulative-bucket histogram (``le`` upper bounds in seconds), thread-safe."""
-
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # last: +Inf
-        self.sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        out, running = [], 0
-        with self._lock:
-            for le, n in zip([*map(_fmt, self.buckets), "+Inf"], self.counts):
-                running += n
-                out.append(f'{name}_bucket{{{labels},le="{le}"}} {running}')
-            out.append(f"{name}_sum{{{labels}}} {_fmt(self.sum)}")
-            out.append(f"{name}_count{{{labels}}} {running}")
-        return out
+# upstream's TokenizerMetricsCollector buckets (seconds)
+TTFT_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS_S = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+                 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000)
+E2E_BUCKETS_S = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+THROUGHPUT_WINDOW_S = 10.0
+LABELS = ["model_name"]
 
 
 class RequestMetrics:
-    """What the HTTP process measures per request."""
+    """What the HTTP process measures per request. Thread-safe; ``clock`` returns seconds."""
 
-    def __init__(self):
-        self.time_to_first_token = Histogram(TTFT_BUCKETS_S)
-        self.e2e_request_latency = Histogram(E2E_BUCKETS_S)
+    def __init__(self, model_name: str = "", clock=time.monotonic):
+        self.model_name, self.clock = model_name, clock
+        self.registry = CollectorRegistry()
+        reg, name = self.registry, [model_name]
+        self.time_to_first_token = Histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LABELS,
+            registry=reg, buckets=TTFT_BUCKETS_S).labels(*name)
+        self.inter_token_latency = Histogram(
+            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", LABELS,
+            registry=reg, buckets=ITL_BUCKETS_S).labels(*name)
+        self.e2e_request_latency = Histogram(
+            "sglang:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", LABELS,
+            registry=reg, buckets=E2E_BUCKETS_S).labels(*name)
+        self.bad_requests = Counter("sglang:num_bad_requests", "Requests rejected with HTTP 4xx.", LABELS,
+                                    registry=reg).labels(*name)
         self.num_requests_received = 0
-        self.num_bad_requests = 0
+        self._lock = threading.Lock()
+        self._token_times: deque[tuple[float, int]] = deque()  # (arrival, tokens), last window only
+        self._prompt_tokens = 0  # of finished requests, for cache_hit_rate
+        self._cached_tokens = 0
+
+    def on_bad_request(self) -> None:
+        self.bad_requests.inc()
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.time_to_first_token.observe(ttft_s)
+
+    def on_tokens(self, num_tokens: int, interval_s: float | None) -> None:
+        """``num_tokens`` arrived ``interval_s`` after the previous ones (None: the first)."""
+        if interval_s is not None and num_tokens > 0:
+            for _ in range(num_tokens):  # each token waited its share of the interval
+                self.inter_token_latency.observe(interval_s / num_tokens)
+        with self._lock:
+            self._token_times.append((self.clock(), num_tokens))
+            self._trim()
+
+    def on_finished(self, e2e_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        self.e2e_request_latency.observe(e2e_s)
+        with self._lock:
+            self._prompt_tokens += prompt_tokens
+            self._cached_tokens += cached_tokens
+
+    def _trim(self) -> None:
+        horizon = self.clock() - THROUGHPUT_WINDOW_S
+        while self._token_times and self._token_times[0][0] < horizon:
+            self._token_times.popleft()
+
+    def gen_throughput(self) -> float:
+        """Output tokens per second over the last ``THROUGHPUT_WINDOW_S`` seconds."""
+        with self._lock:
+            self._trim()
+            return sum(n for _, n in self._token_times) / THROUGHPUT_WINDOW_S
+
+    def cache_hit_rate(self) -> float:
+        """Prompt tokens reused from a cache tier / prompt tokens, over finished requests."""
+        with self._lock:
+            return self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
 
 
-def _fmt(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
+class _Families:
+    """Builds metric families carrying the ``model_name`` label."""
 
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.out: list = []
 
-class _Writer:
-    def __init__(self, base_labels: str):
-        self.base = base_labels
-        self.lines: list[str] = []
-
-    def metric(self, name: str, kind: str, help: str, samples: list[tuple[dict, float]]) -> None:
-        self.lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+    def add(self, kind, name: str, help: str, samples: list[tuple[dict, float]]) -> None:
+        extra = sorted({k for labels, _ in samples for k in labels})
+        family = kind(name, help, labels=LABELS + extra)
         for labels, value in samples:
-            extra = "".join(f',{k}="{v}"' for k, v in labels.items())
-            self.lines.append(f"{name}{{{self.base}{extra}}} {_fmt(value)}")
+            family.add_metric([self.model_name] + [str(labels[k]) for k in extra], value)
+        self.out.append(family)
 
-    def histogram(self, name: str, help: str, hist: Histogram) -> None:
-        self.lines += [f"# HELP {name} {help}", f"# TYPE {name} histogram"]
-        self.lines += hist.lines(name, self.base)
+    def counter(self, name: str, help: str, samples) -> None:
+        self.add(CounterMetricFamily, name, help, samples)
+
+    def gauge(self, name: str, help: str, samples) -> None:
+        self.add(GaugeMetricFamily, name, help, samples)
 
 
-def render_metrics(snapshot: dict, requests: RequestMetrics, model_name: str) -> str:
-    """The /metrics page: scheduler counters and pools from ``snapshot``, HTTP histograms."""
-    w = _Writer(f'model_name="{model_name}"')
-    c = snapshot["counters"]
-    w.metric("sglang:prompt_tokens_total", "counter", "Prompt tokens of finished requests.", [({}, c["prompt_tokens"])])
-    w.metric("sglang:generation_tokens_total", "counter", "Generated tokens of finished requests.",
-             [({}, c["generation_tokens"])])
-    w.metric("sglang:cached_tokens_total", "counter", "Prompt tokens served from a cache tier instead of computed.",
-             [({"tier": t}, n) for t, n in c["cached_tokens"].items()])
-    w.metric("sglang:num_requests_total", "counter", "Requests finished by the scheduler.", [({}, c["num_requests"])])
-    w.metric("sglang:num_aborted_requests_total", "counter", "Requests aborted (client gone or refused).",
-             [({}, c["num_aborted"])])
-    w.metric("sglang:num_bad_requests_total", "counter", "Requests rejected with HTTP 4xx.",
-             [({}, requests.num_bad_requests)])
-    w.metric("sglang:num_running_reqs", "gauge", "Requests being prefilled or decoded.",
-             [({}, snapshot["num_running_reqs"])])
-    w.metric("sglang:num_waiting_reqs", "gauge", "Requests waiting for admission.",
-             [({}, snapshot["num_waiting_reqs"])])
-    pools = snapshot["pools"]
-    w.metric("sglang:cache_pool_capacity_tokens", "gauge", "Token slots of each cache tier's pool.",
-             [({"tier": t}, p["capacity_tokens"]) for t, p in pools.items()])
-    w.metric("sglang:cache_pool_used_tokens", "gauge", "Token slots in use (cached prefixes and running requests).",
-             [({"tier": t}, p["used_tokens"]) for t, p in pools.items()])
-    host_ops = snapshot.get("host_transfers") or {}
-    if host_ops:
-        w.metric("sglang:host_transfer_pages_total", "counter", "Pages copied between device and host pools.",
-                 [({"direction": "device_to_host"}, host_ops.get("pages_written", 0)),
-                  ({"direction": "host_to_device"}, host_ops.get("pages_loaded", 0))])
-        w.metric("sglang:host_transfer_failures_total", "counter", "Failed device<->host copies.",
-                 [({}, host_ops.get("failures", 0))])
+def _snapshot_families(snapshot: dict, requests: RequestMetrics) -> list:
+    f, c, pools = _Families(requests.model_name), snapshot["counters"], snapshot["pools"]
+    f.counter("sglang:prompt_tokens", "Number of prefill tokens processed (finished requests).",
+              [({}, c["prompt_tokens"])])
+    f.counter("sglang:generation_tokens", "Number of generation tokens processed (finished requests).",
+              [({}, c["generation_tokens"])])
+    f.counter("sglang:cached_tokens", "Prompt tokens served from a cache tier instead of computed.",
+              [({"tier": t}, n) for t, n in c["cached_tokens"].items()])
+    f.counter("sglang:num_requests", "Requests finished by the scheduler.", [({}, c["num_requests"])])
+    f.counter("sglang:num_aborted_requests", "Requests aborted (client gone or refused).", [({}, c["num_aborted"])])
+    f.gauge("sglang:num_running_reqs", "The number of running requests.", [({}, snapshot["num_running_reqs"])])
+    f.gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+            [({}, snapshot["num_waiting_reqs"])])
+    f.gauge("sglang:num_waiting_reqs", "Requests waiting for admission (same as num_queue_reqs).",
+            [({}, snapshot["num_waiting_reqs"])])
+    device = pools["device"]
+    f.gauge("sglang:num_used_tokens", "Device KV slots in use.", [({}, device["used_tokens"])])
+    f.gauge("sglang:token_usage", "Device KV slots in use / device KV slots.",
+            [({}, device["used_tokens"] / device["capacity_tokens"] if device["capacity_tokens"] else 0.0)])
+    f.gauge("sglang:gen_throughput", "The generation throughput (token/s) over the last 10 s.",
+            [({}, requests.gen_throughput())])
+    f.gauge("sglang:cache_hit_rate", "The prefix cache hit rate (cached / prompt tokens of finished requests).",
+            [({}, requests.cache_hit_rate())])
+    f.gauge("sglang:cache_pool_capacity_tokens", "Token slots of each cache tier's pool.",
+            [({"tier": t}, p["capacity_tokens"]) for t, p in pools.items()])
+    f.gauge("sglang:cache_pool_used_tokens", "Token slots in use (cached prefixes and running requests).",
+            [({"tier": t}, p["used_tokens"]) for t, p in pools.items()])
+    _tier_families(f, snapshot)
+    return f.out
+
+
+def _tier_families(f: _Families, snapshot: dict) -> None:
+    host = snapshot.get("host_transfers") or {}
+    if host:
+        f.counter("sglang:host_transfer_pages", "Pages copied between device and host pools.",
+                  [({"direction": "device_to_host"}, host.get("pages_written", 0)),
+                   ({"direction": "host_to_device"}, host.get("pages_loaded", 0))])
+        f.counter("sglang:host_transfer_failures", "Failed device<->host copies.", [({}, host.get("failures", 0))])
     storage = snapshot.get("storage") or {}
-    if storage:
-        w.metric("sglang:storage_operations_total", "counter", "L3 storage page operations by outcome.",
-                 [({"op": op}, storage.get(op, 0)) for op in ("pages_hit", "pages_missed", "pages_written",
-                                                               "pages_skipped")])
-        w.metric("sglang:storage_failures_total", "counter", "L3 storage backend faults (I/O errors, corruptions).",
-                 [({"kind": k}, storage.get(k, 0)) for k in ("failures", "corruptions")])
-        w.metric("sglang:storage_bytes_total", "counter", "L3 payload bytes moved.",
-                 [({"direction": "read"}, storage.get("bytes_read", 0)),
-                  ({"direction": "written"}, storage.get("bytes_written", 0))])
-        for kind in ("prefetch", "backup"):
-            events = sorted(k for k in storage if k.startswith(kind + "_"))
-            w.metric(f"sglang:storage_{kind}_events_total", "counter", f"L3 {kind} events of the HiCache controller.",
-                     [({"event": k[len(kind) + 1:]}, storage[k]) for k in events])
-    w.histogram("sglang:time_to_first_token_seconds", "Time from request arrival to its first output token.",
-                requests.time_to_first_token)
-    w.histogram("sglang:e2e_request_latency_seconds", "Time from request arrival to its last output token.",
-                requests.e2e_request_latency)
-    return "\n".join(w.lines) + "\n"
+    if not storage:
+        return
+    f.counter("sglang:storage_operations", "L3 storage page operations by outcome.",
+              [({"op": op}, storage.get(op, 0)) for op in ("pages_hit", "pages_missed", "pages_written",
+                                                            "pages_skipped")])
+    f.counter("sglang:storage_failures", "L3 storage backend faults (I/O errors, corruptions).",
+              [({"kind": k}, storage.get(k, 0)) for k in ("failures", "corruptions")])
+    f.counter("sglang:storage_bytes", "L3 payload bytes moved.",
+              [({"direction": "read"}, storage.get("bytes_read", 0)),
+               ({"direction": "written"}, storage.get("bytes_written", 0))])
+    for kind in ("prefetch", "backup"):
+        events = sorted(k for k in storage if k.startswith(kind + "_"))
+        f.counter(f"sglang:storage_{kind}_events", f"L3 {kind} events of the HiCache controller.",
+                  [({"event": k[len(kind) + 1:]}, storage[k]) for k in events])
+
+
+class _Scrape:
+    """One scrape: the HTTP registry plus the scheduler's snapshot (``generate_latest`` input)."""
+
+    def __init__(self, requests: RequestMetrics, snapshot: dict):
+        self.requests, self.snapshot = requests, snapshot
+
+    def collect(self):
+        yield from self.requests.registry.collect()
+        yield from _snapshot_families(self.snapshot, self.requests)
+
+
+def render_metrics(snapshot: dict, requests: RequestMetrics) -> str:
+    """The /metrics page (Prometheus text format, ``CONTENT_TYPE_LATEST``)."""
+    return generate_latest(_Scrape(requests, snapshot)).decode()

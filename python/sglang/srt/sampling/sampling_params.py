@@ -1,8 +1,34 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction.
+
+``from_dict`` reads a request's ``sampling_params`` object with upstream sglang's key set:
+null means "the default" for every key but ``max_new_tokens`` (as upstream), and the keys of
+features this engine lacks (``UPSTREAM_ONLY``) are accepted only at their default value.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
+
+# upstream key -> (the value we can serve, why any other value cannot be served)
+UPSTREAM_ONLY = {
+    "stop_regex": (None, "regular-expression stops are not implemented"),
+    "frequency_penalty": (0.0, "penalties are not implemented"),
+    "presence_penalty": (0.0, "penalties are not implemented"),
+    "repetition_penalty": (1.0, "penalties are not implemented"),
+    "min_new_tokens": (0, "a minimum output length is not implemented"),
+    "n": (1, "one completion per request (send n requests)"),
+    "json_schema": (None, "constrained decoding is not implemented"),
+    "regex": (None, "constrained decoding is not implemented"),
+    "ebnf": (None, "constrained decoding is not implemented"),
+    "structural_tag": (None, "constrained decoding is not implemented"),
+    "spaces_between_special_tokens": (True, "detokenization always joins special tokens without spaces"),
+    "no_stop_trim": (False, "a matched stop string is always trimmed from the output"),
+    "custom_params": (None, "custom logit processors are not implemented"),
+    "stream_interval": (None, "streams send every step's tokens"),
+    "logit_bias": (None, "logit bias is not implemented"),
+}
+EMPTY = (None, "", [], {})
 
 
 @dataclass
@@ -31,7 +57,8 @@ class SamplingParams:
         self._check_types()
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "an integer >= 0"),
-            ("temperature", self.temperature >= 0, "a number >= 0 (0 is greedy)"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             "a finite number >= 0 (0 is greedy)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (disabled) or an integer >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
@@ -71,9 +98,17 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict) -> "SamplingParams":
-        """Build from a request's JSON object; unknown keys raise ValueError naming them."""
+        """Build from a request's JSON object. ValueError naming the key for an unknown key, a bad
+        value, or an upstream-only key set to something other than its default."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(params) - known)
+        unknown = sorted(set(params) - known - set(UPSTREAM_ONLY))
         if unknown:
-            raise ValueError(f"unknown sampling params {unknown}; known: {sorted(known)}")
-        return cls(**params)
+            raise ValueError(f"unknown sampling params {unknown}; known: {sorted(known | set(UPSTREAM_ONLY))}")
+        for name, (default, why) in UPSTREAM_ONLY.items():
+            value = params.get(name)
+            if value is not None and value != default and not (default is None and value in EMPTY):
+                raise ValueError(f"sampling param {name}={value!r} is not supported by this server: {why}")
+        if params.get("max_new_tokens", 0) is None:
+            raise ValueError("sampling param max_new_tokens=None (no limit) is not supported: admission reserves "
+                             "every page a request can need, so give a number")
+        return cls(**{k: v for k, v in params.items() if k in known and v is not None})

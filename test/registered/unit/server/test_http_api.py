@@ -7,11 +7,14 @@ import time
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from sglang.srt.tokenizer import get_tokenizer
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
+from upstream_bodies import (BENCH_MULTITURN, ROUTER_CHAT, ROUTER_COMPLETION, ROUTER_GENERATE, SAMPLING_DEFAULTS,
+                             full_chat, full_completion, full_generate)
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
@@ -25,8 +28,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
+    # upstream flags accepted without effect ride along, so a launch with them is tested too
     srv = launch_server_process(model, "--context-length", "4096", "--max-total-tokens", "8192",
-                                "--served-model-name", "tiny-qwen3")
+                                "--served-model-name", "tiny-qwen3", "--tokenizer-path", model, "--enable-metrics",
+                                "--enable-cache-report", "--trust-remote-code", "--disable-hicache-numa-detect")
     try:
         yield srv
     finally:
@@ -42,11 +47,14 @@ def sse_events(resp: requests.Response) -> list:
     return events
 
 
+def samples(server) -> list:
+    return [s for fam in text_string_to_metric_families(server.get("/metrics").text) for s in fam.samples]
+
+
 def metric(server, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    for line in server.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") and want in line:
-            return float(line.rsplit(" ", 1)[1])
+    for sample in samples(server):
+        if sample.name == name and all(sample.labels.get(k) == str(v) for k, v in labels.items()):
+            return sample.value
     raise AssertionError(f"metric {name} {labels} not found")
 
 
@@ -143,9 +151,11 @@ def test_metrics_prometheus_text(server):
     served = metric(server, "sglang:cached_tokens_total", tier="device")
     server.generate(text="count me", sampling_params={"max_new_tokens": 2})
     server.generate(text="count me", sampling_params={"max_new_tokens": 2})
-    text = server.get("/metrics").text
-    assert "# TYPE sglang:time_to_first_token_seconds histogram" in text
-    assert 'sglang:time_to_first_token_seconds_bucket{model_name="tiny-qwen3",le="+Inf"}' in text
+    resp = server.get("/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    assert families["sglang:time_to_first_token_seconds"].type == "histogram"
+    assert metric(server, "sglang:time_to_first_token_seconds_bucket", model_name="tiny-qwen3", le="+Inf") == before + 2
     assert metric(server, "sglang:time_to_first_token_seconds_count") == before + 2
     assert metric(server, "sglang:cached_tokens_total", tier="device") > served
     assert metric(server, "sglang:cache_pool_capacity_tokens", tier="device") == 8192
@@ -178,3 +188,87 @@ def test_disconnected_blocking_request_is_aborted(server):
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(server.url + "/generate", json=body, timeout=0.5)
     _wait_aborted(server, before)
+
+
+# ---- upstream's request schemas (see test_request_schemas.py for the unit-level cases) ------------
+def _text(route: str, out: dict) -> str:
+    if route == "/generate":
+        return out["text"]
+    choice = out["choices"][0]
+    return choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+
+
+FULL_AND_MINIMAL = {
+    "/generate": (full_generate(text="tell me", sampling_params={**SAMPLING_DEFAULTS, "max_new_tokens": 6, **GREEDY}),
+                  {"text": "tell me", "sampling_params": {"max_new_tokens": 6, **GREEDY}}),
+    "/v1/completions": (full_completion(prompt="tell me", max_tokens=6, temperature=0, ignore_eos=True),
+                        {"prompt": "tell me", "max_tokens": 6, "temperature": 0, "ignore_eos": True}),
+    "/v1/chat/completions": (full_chat(messages=[{"role": "user", "content": "tell me"}], max_tokens=6, temperature=0,
+                                       ignore_eos=True),
+                             {"messages": [{"role": "user", "content": "tell me"}], "max_tokens": 6, "temperature": 0,
+                              "ignore_eos": True}),
+}
+
+
+@pytest.mark.parametrize("route", list(FULL_AND_MINIMAL))
+def test_every_upstream_field_at_its_default_gives_the_minimal_output(server, route):
+    full, minimal = FULL_AND_MINIMAL[route]
+    a, b = server.post(route, full), server.post(route, minimal)
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    assert _text(route, a.json()) == _text(route, b.json()) != ""
+    if route == "/generate":
+        assert a.json()["output_ids"] == b.json()["output_ids"] and len(a.json()["output_ids"]) == 6
+
+
+@pytest.mark.parametrize("route, body", [("/generate", ROUTER_GENERATE), ("/v1/completions", ROUTER_COMPLETION),
+                                         ("/v1/chat/completions", ROUTER_CHAT), ("/generate", BENCH_MULTITURN)])
+def test_bodies_of_router_and_benchmarks_are_served(server, route, body):
+    with requests.post(server.url + route, json=body, stream=True, timeout=60) as resp:
+        assert resp.status_code == 200, resp.text
+        if body.get("stream"):
+            events = sse_events(resp)
+            assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+
+
+def test_openai_model_name_is_echoed_as_upstream(server):
+    out = server.post("/v1/chat/completions", {**ROUTER_CHAT, "model": "some-other-name"}).json()
+    assert out["model"] == "some-other-name"
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).json()["model"] == "tiny-qwen3"
+
+
+def test_return_text_in_logprobs(server):
+    out = server.generate(text="logprob text", sampling_params={"max_new_tokens": 3, **GREEDY}, return_logprob=True,
+                          top_logprobs_num=2, return_text_in_logprobs=True)
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert "".join(text for _, _, text in entries) == out["text"]
+    assert all(isinstance(text, str) for top in out["meta_info"]["output_top_logprobs"] for _, _, text in top)
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(server):
+    body = {"prompt": "usage please", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with requests.post(server.url + "/v1/completions", json=body, stream=True, timeout=60) as resp:
+        events = sse_events(resp)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == sorted(c["usage"]["completion_tokens"] for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and events[-2]["usage"]["completion_tokens"] == 4
+
+
+def test_model_and_server_info_as_the_router_reads_them(server, model):
+    for path in ("/get_model_info", "/model_info"):
+        info = server.get(path).json()
+        assert info["model_path"] == model and info["tokenizer_path"] == model and info["is_generation"] is True
+        assert info["served_model_name"] == "tiny-qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
+    for path in ("/get_server_info", "/server_info"):
+        info = server.get(path).json()
+        assert info["served_model_name"] == "tiny-qwen3" and info["model_path"] == model
+
+
+def test_upstream_gauges_follow_the_engine(server):
+    for _ in range(2):  # the second one reuses the first one's prompt
+        server.generate(text="gauge me", sampling_params={"max_new_tokens": 8, **GREEDY})
+    assert metric(server, "sglang:num_used_tokens") == metric(server, "sglang:cache_pool_used_tokens", tier="device")
+    assert metric(server, "sglang:token_usage") == metric(server, "sglang:num_used_tokens") / 8192
+    assert metric(server, "sglang:gen_throughput") > 0  # 8 tokens just arrived, inside the 10 s window
+    assert 0 < metric(server, "sglang:cache_hit_rate") < 1
+    assert metric(server, "sglang:inter_token_latency_seconds_count") >= 7

@@ -131,6 +131,48 @@ def test_openai_unsupported_features(server, route, extra, words):
     still_serving(server)
 
 
+RAW_TEXT_FIELD = {
+    "/generate": b'{"text": %s, "sampling_params": {"max_new_tokens": 2}}',
+    "/v1/completions": b'{"prompt": %s, "max_tokens": 2}',
+    "/v1/chat/completions": b'{"messages": [{"role": "user", "content": %s}], "max_tokens": 2}',
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_lone_surrogate_is_a_400_json_error(server, route):
+    resp = post_raw(server, route, RAW_TEXT_FIELD[route] % b'"a\\ud800b"')
+    check_4xx(resp, "surrogate")
+    assert resp.headers["content-type"].startswith("application/json")
+    still_serving(server)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("raw", [b"Infinity", b"NaN"])
+def test_non_finite_temperature(server, route, raw):
+    body = {
+        "/generate": b'{"text": "x", "sampling_params": {"temperature": %s}}',
+        "/v1/completions": b'{"prompt": "x", "temperature": %s}',
+        "/v1/chat/completions": b'{"messages": [{"role": "user", "content": "x"}], "temperature": %s}',
+    }[route] % raw
+    check_4xx(post_raw(server, route, body), "temperature")
+    still_serving(server)
+
+
+@pytest.mark.parametrize("route, extra, words", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, ["top_logprobs", "[0, 20]"]),
+    ("/generate", {"lora_path": "my-adapter"}, ["lora_path", "LoRA"]),
+    ("/generate", {"return_hidden_states": True}, ["return_hidden_states", "not supported"]),
+    ("/generate", {"bootstrap_host": "127.0.0.1", "bootstrap_room": 1}, ["bootstrap", "disaggregation is not enabled"]),
+    ("/v1/chat/completions", {"separate_reasoning": True, "continue_final_message": True}, ["continue_final_message"]),
+    ("/v1/completions", {"model": "tiny:adapter"}, ["model='tiny:adapter'", "LoRA"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]},
+     ["unknown fields", "messages[0].mood"]),
+])
+def test_upstream_fields_we_do_not_serve(server, route, extra, words):
+    check_4xx(server.post(route, {**GOOD[route], **extra}), *words)
+    still_serving(server)
+
+
 def test_unknown_route_and_method(server):
     assert server.post("/no_such_route", {}).status_code == 404
     assert server.get("/generate").status_code == 405

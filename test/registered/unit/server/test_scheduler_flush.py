@@ -53,9 +53,8 @@ def test_flush_with_hung_backend_is_reported_and_serving_continues(model, tmp_pa
         while not backend.wait_hanging(0.01):  # steps consume the host write ack, then back up
             assert time.monotonic() < end, "the L3 backup never started"
             sched.step()
-        t0 = time.monotonic()
         out = sched.flush_cache()
-        assert time.monotonic() - t0 < 10
+        assert backend.hanging_now() >= 1, "the flush waited for the hung backup"
         assert not out.ok and out.payload.get("flush_incomplete"), out
         # the cache was emptied and the scheduler still serves
         assert len(serve_one(sched, request("b", prompts(1, 20, seed=1)[0], max_new=4))) == 4

@@ -158,3 +158,34 @@ def test_every_flag_is_documented():
         docs = f.read()
     missing = [f.name for f in dataclasses.fields(ServerArgs) if f"`--{f.name.replace('_', '-')}`" not in docs]
     assert not missing, f"flags missing from docs/server.md: {missing}"
+
+
+def test_upstream_compatibility_flags_are_accepted(tmp_path):
+    parsed = args("--enable-metrics", "--enable-cache-report", "--trust-remote-code", "--disable-hicache-numa-detect",
+                  "--tokenizer-path", str(tmp_path), "--served-model-name", "m", "--mem-fraction-static", "0.7",
+                  "--log-level", "critical")
+    assert parsed.enable_metrics and parsed.enable_cache_report and parsed.trust_remote_code
+    assert parsed.disable_hicache_numa_detect and parsed.tokenizer_path == str(tmp_path)
+    assert (parsed.model_name, parsed.mem_fraction_static, parsed.log_level) == ("m", 0.7, "critical")
+    assert args().hicache_storage_prefetch_policy == "best_effort"  # upstream's default
+
+
+def test_tokenizer_path_is_checked_instead_of_the_model_directory(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="--tokenizer-path .* has no tokenizer.json"):
+        ServerArgs(model_path=str(model), tokenizer_path=str(tmp_path)).check_model()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    ServerArgs(model_path=str(model), tokenizer_path=str(tmp_path)).check_model()
+
+
+def test_pass_prefix_keys_is_a_controller_key():
+    parsed = args("--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+                  "--hicache-storage-backend-extra-config", '{"hicache_storage_pass_prefix_keys": true}')
+    from sglang.srt.mem_cache.storage_settings import split_extra_config
+
+    settings, backend = split_extra_config(parsed.storage_extra_config)
+    assert settings.hicache_storage_pass_prefix_keys is True and backend == {}
+    with pytest.raises(ValueError, match="hicache_storage_pass_prefix_keys.*boolean"):
+        split_extra_config({"hicache_storage_pass_prefix_keys": 1})

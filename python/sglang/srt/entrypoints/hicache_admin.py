@@ -1,0 +1,81 @@
+"""Routes for attaching and detaching the HiCache L3 backend at runtime (upstream's shapes).
+
+- ``POST /attach_hicache_storage_backend`` with ``{"hicache_storage_backend": "file",
+  "hicache_storage_backend_extra_config_json": "{...}", "hicache_storage_prefetch_policy":
+  "timeout", "hicache_write_policy": "write_through"}`` (all but the backend optional; the extra
+  config may also be a JSON object). Also ``PUT /hicache/storage-backend``.
+- ``POST /detach_hicache_storage_backend`` (idempotent). Also ``DELETE /hicache/storage-backend``.
+- ``GET /hicache_storage_backend``: what is attached (``hicache_storage_backend`` is null when
+  nothing is). Also ``GET /info_from_hicache_storage_backend`` and ``GET /hicache/storage-backend``.
+
+Success answers 200 with upstream's text line. A change while requests or storage operations
+are in flight, or an attach while a backend is attached, answers 409; a bad field, an unknown
+backend, a bad extra config or a backend constructor that fails answers 400 naming why, and
+the previous state stays (see ``managers/storage_admin.py``).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sglang.srt.entrypoints.http_common import error_response, read_json
+from sglang.srt.managers.io_struct import ControlKind
+from sglang.srt.managers.storage_admin import HTTP_STATUS, extra_config_field
+
+ATTACH_TIMEOUT_S = 120.0  # a backend constructor may connect to a remote store
+
+
+class AttachHiCacheStorageReqInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hicache_storage_backend: str
+    hicache_storage_backend_extra_config_json: str | dict | None = None
+    hicache_storage_prefetch_policy: str | None = None
+    hicache_write_policy: str | None = None
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{field}: {err['msg']}")
+    allowed = ", ".join(AttachHiCacheStorageReqInput.model_fields)
+    return f"bad attach request ({'; '.join(parts)}); fields: {allowed}"
+
+
+def register_hicache_admin_routes(app: FastAPI, engine) -> None:
+    tm = engine.tokenizer_manager
+
+    def answer(out, done_text: str):
+        if out.ok:
+            return PlainTextResponse(done_text + (out.message + "\n" if out.message else ""))
+        return error_response(out.payload.get(HTTP_STATUS, 400), out.message,
+                              "Conflict" if out.payload.get(HTTP_STATUS) == 409 else "BadRequestError")
+
+    async def attach(request: Request):
+        try:
+            req = AttachHiCacheStorageReqInput.model_validate(await read_json(request))
+        except ValidationError as exc:
+            return error_response(400, _validation_message(exc))
+        payload = req.model_dump()
+        payload["hicache_storage_backend_extra_config_json"] = extra_config_field(
+            req.hicache_storage_backend_extra_config_json)
+        out = await tm.control(ControlKind.ATTACH_HICACHE_STORAGE, ATTACH_TIMEOUT_S, payload)
+        return answer(out, "HiCache storage backend attached.\n")
+
+    async def detach():
+        out = await tm.control(ControlKind.DETACH_HICACHE_STORAGE, ATTACH_TIMEOUT_S)
+        return answer(out, "HiCache storage backend detached.\n")
+
+    async def status():
+        out = await tm.control(ControlKind.GET_HICACHE_STORAGE)
+        return out.payload
+
+    app.add_api_route("/attach_hicache_storage_backend", attach, methods=["POST"])
+    app.add_api_route("/hicache/storage-backend", attach, methods=["PUT"])
+    app.add_api_route("/detach_hicache_storage_backend", detach, methods=["POST"])
+    app.add_api_route("/hicache/storage-backend", detach, methods=["DELETE"])
+    for path in ("/hicache_storage_backend", "/info_from_hicache_storage_backend", "/hicache/storage-backend"):
+        app.add_api_route(path, status, methods=["GET"])

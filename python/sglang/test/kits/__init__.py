@@ -1,0 +1,1 @@
+"""Client kits that upstream's benchmark scripts import from ``sglang.test.kits``."""
