@@ -2,13 +2,17 @@
 #   make test    create .venv, install, run the per-commit CPU suite
 #   make list    show what the per-commit suite runs
 #   make serve   write a tiny Qwen3 checkpoint and serve it with HiCache + file storage
+#   make clean-serve   remove what make serve keeps between runs (checkpoint, L3 directory)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SUITE ?= per-commit-cpu
 HW ?= cpu
+TIMEOUT_PER_FILE ?= 1800
+# extra run_suite.py / pytest arguments, e.g. ARGS="--hypothesis-seed 7 -k round_trip"
+ARGS ?=
 
-.PHONY: install test list bench serve clean
+.PHONY: install test list bench serve clean clean-serve
 
 $(VENV)/.installed: python/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +26,7 @@ $(VENV)/.installed: python/pyproject.toml Makefile
 install: $(VENV)/.installed
 
 test: install
-	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE)
+	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --timeout-per-file $(TIMEOUT_PER_FILE) $(ARGS)
 
 list: install
 	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --list
@@ -40,3 +44,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# the served checkpoint and its L3 directory ($(SERVE_DIR)/hicache-l3 persists between serves)
+clean-serve:
+	rm -rf $(SERVE_DIR)

@@ -8,18 +8,34 @@ one of each) with literal arguments. Each selected file runs in its own pytest p
 ends with a pytest-style summary line and a non-zero exit status when anything failed.
 
 Each file gets ``SGLANG_TEST_DEVICE`` = the --hw value, and on cpu ``TRITON_INTERPRET=1``.
+
+Outcome of one file, from pytest's exit status and its JUnit report: 0 passes; 5 with every
+collected test skipped (a CUDA-only module on a machine without the hardware) is a skip; 5 with
+nothing collected fails (a registered file that runs nothing), unless pytest arguments given
+here (``-k``, ``-m``) deselected everything; anything else fails. A file past
+``--timeout-per-file`` is killed with its whole process group (servers it started included).
+
+Hypothesis: one seed per run, passed to every file as ``--hypothesis-seed`` and printed with a
+replay command. ``--hypothesis-seed`` (or ``SGLANG_HYPOTHESIS_SEED``) fixes it; otherwise it is
+drawn at random. Tests with ``derandomize=True`` replay the same examples whatever the seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import os
+import random
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent
 REGISTERED = ROOT / "registered"
@@ -111,7 +127,84 @@ def _shown(path: Path) -> Path:
         return path
 
 
-def run(selected: list[Registration], hw: str, timeout_per_file: float, pytest_args: list[str]) -> int:
+# Wall-clock budget per suite on a 2-core runner (the summary warns past it); per-commit plus
+# nightly stay under 45 minutes.
+BUDGET_S = {"per-commit-cpu": 900.0, "nightly-cpu": 1800.0}
+
+
+class Outcome(str, Enum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"
+    TIMEOUT = "TIMEOUT"
+
+
+@dataclass(frozen=True)
+class FileResult:
+    rel: Path
+    outcome: Outcome
+    seconds: float
+    est_time: float
+    note: str = ""
+
+
+# pytest options that select a subset: with them, a file where nothing is left is not a failure
+_SELECTING_ARGS = ("-k", "-m", "--deselect", "--lf", "--last-failed")
+
+
+def _junit_counts(path: Path) -> tuple[int, int]:
+    """(tests, skipped) from a JUnit report; (0, 0) when pytest wrote none."""
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return 0, 0
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    return sum(int(x.get("tests", 0)) for x in suites), sum(int(x.get("skipped", 0)) for x in suites)
+
+
+def classify(rc: int, tests: int, skipped: int, selecting: bool) -> tuple[Outcome, str]:
+    """The outcome of one pytest process (see the module docstring)."""
+    if rc == 0:
+        return Outcome.PASS, ""
+    if rc == 5:
+        if tests and skipped == tests:
+            return Outcome.SKIP, "every test skipped"
+        if selecting:
+            return Outcome.SKIP, "no test selected"
+        return Outcome.FAIL, "collected no tests"
+    return Outcome.FAIL, f"pytest exit {rc}"
+
+
+def _run_file(cmd: list[str], env: dict, timeout: float) -> int | None:
+    """Run one pytest process in its own session; None when it ran past ``timeout`` (killed)."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        try:  # the file's process group: pytest itself on a timeout, and any leftover server
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+
+def hypothesis_seed(given: int | None) -> int:
+    if given is not None:
+        return given
+    env = os.environ.get("SGLANG_HYPOTHESIS_SEED", "").strip()
+    return int(env) if env else random.SystemRandom().randrange(2**32)
+
+
+def run(
+    selected: list[Registration],
+    hw: str,
+    timeout_per_file: float,
+    pytest_args: list[str],
+    seed: int | None = None,
+    budget_s: float | None = None,
+) -> int:
     env = dict(os.environ)
     env["SGLANG_TEST_DEVICE"] = hw
     if hw == "cpu":
@@ -119,34 +212,58 @@ def run(selected: list[Registration], hw: str, timeout_per_file: float, pytest_a
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT.parent / "python"), env.get("PYTHONPATH", "")) if p
     )
-    passed, failed, skipped = [], [], []
+    seed_args = []
+    if seed is not None and importlib.util.find_spec("hypothesis") is not None:
+        seed_args = [f"--hypothesis-seed={seed}"]
+        print(f"hypothesis seed: {seed} (replay a run: --hypothesis-seed {seed})", flush=True)
+    selecting = any(a.split("=")[0] in _SELECTING_ARGS for a in pytest_args)
+    results: list[FileResult] = []
     start = time.monotonic()
-    for reg in selected:
-        rel = _shown(reg.path)
-        if reg.disabled:
-            print(f"SKIP {rel}: disabled ({reg.disabled})", flush=True)
-            skipped.append(rel)
-            continue
-        print(f"RUN  {rel} (est {reg.est_time:.0f}s)", flush=True)
-        t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(reg.path)]
-        try:
-            rc = subprocess.run(cmd + pytest_args, env=env, timeout=timeout_per_file).returncode
-        except subprocess.TimeoutExpired:
-            print(f"TIMEOUT {rel} after {timeout_per_file:.0f}s", flush=True)
-            rc = -1
-        took = time.monotonic() - t0
-        (passed if rc == 0 else failed).append(rel)
-        print(f"{'PASS' if rc == 0 else 'FAIL'} {rel} ({took:.1f}s)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="run_suite_") as tmp:
+        for n, reg in enumerate(selected):
+            rel = _shown(reg.path)
+            if reg.disabled:
+                print(f"SKIP {rel}: disabled ({reg.disabled})", flush=True)
+                results.append(FileResult(rel, Outcome.SKIP, 0.0, reg.est_time, f"disabled: {reg.disabled}"))
+                continue
+            print(f"RUN  {rel} (est {reg.est_time:.0f}s)", flush=True)
+            junit = Path(tmp) / f"{n}.xml"
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", f"--junit-xml={junit}",
+                   str(reg.path), *seed_args, *pytest_args]
+            t0 = time.monotonic()
+            rc = _run_file(cmd, env, timeout_per_file)
+            took = time.monotonic() - t0
+            if rc is None:
+                outcome, note = Outcome.TIMEOUT, f"killed after {timeout_per_file:.0f}s"
+            else:
+                outcome, note = classify(rc, *_junit_counts(junit), selecting)
+            results.append(FileResult(rel, outcome, took, reg.est_time, note))
+            print(f"{outcome.value} {rel} ({took:.1f}s{', ' + note if note else ''})", flush=True)
     total = time.monotonic() - start
-    for rel in failed:
-        print(f"FAILED {rel}")
-    parts = [f"{len(failed)} failed"] if failed else []
-    parts.append(f"{len(passed)} passed")
-    if skipped:
-        parts.append(f"{len(skipped)} skipped")
+    _print_summary(results, total, seed if seed_args else None, budget_s)
+    return 1 if any(r.outcome in (Outcome.FAIL, Outcome.TIMEOUT) for r in results) else 0
+
+
+def _print_summary(results: list[FileResult], total: float, seed: int | None, budget_s: float | None) -> None:
+    print("\nper-file times (slowest first; est = registered est_time):")
+    for r in sorted(results, key=lambda r: -r.seconds):
+        print(f"  {r.seconds:7.1f}s  est {r.est_time:5.0f}s  {r.outcome.value:7s} {r.rel}")
+    bad = [r for r in results if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
+    for r in bad:
+        replay = f" --hypothesis-seed={seed}" if seed is not None else ""
+        print(f"FAILED {r.rel} ({r.note}); replay: python -m pytest {r.rel}{replay}")
+    counts = {o: sum(r.outcome is o for r in results) for o in Outcome}
+    parts = [f"{counts[Outcome.FAIL]} failed"] if counts[Outcome.FAIL] else []
+    if counts[Outcome.TIMEOUT]:
+        parts.append(f"{counts[Outcome.TIMEOUT]} timed out")
+    parts.append(f"{counts[Outcome.PASS]} passed")
+    if counts[Outcome.SKIP]:
+        parts.append(f"{counts[Outcome.SKIP]} skipped")
+    est = sum(r.est_time for r in results)
+    print(f"total: {total:.1f}s wall, est {est:.0f}s" + (f", budget {budget_s:.0f}s" if budget_s else ""))
+    if budget_s and total > budget_s:
+        print(f"WARNING: the suite took {total:.0f}s, over its {budget_s:.0f}s budget: move files to a nightly suite")
     print(f"========== {', '.join(parts)} in {total:.1f}s ==========")
-    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", required=True)
     parser.add_argument("--list", action="store_true", help="print the selected files and exit")
     parser.add_argument("--timeout-per-file", type=float, default=1800.0)
+    parser.add_argument("--hypothesis-seed", type=int, default=None,
+                        help="seed for every hypothesis test (default: $SGLANG_HYPOTHESIS_SEED, else random)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock budget of the suite (default: BUDGET_S); the summary warns past it")
     args, pytest_args = parser.parse_known_args(argv)
     try:
         selected = select(collect(), args.hw, args.suite)
@@ -169,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     if not selected:
         print(f"error: suite {args.suite!r} selects no test files", file=sys.stderr)
         return 2
-    return run(selected, args.hw, args.timeout_per_file, pytest_args)
+    seed = hypothesis_seed(args.hypothesis_seed)
+    budget = args.budget_s if args.budget_s is not None else BUDGET_S.get(args.suite)
+    return run(selected, args.hw, args.timeout_per_file, pytest_args, seed, budget)
 
 
 if __name__ == "__main__":

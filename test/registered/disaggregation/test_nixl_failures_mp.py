@@ -16,7 +16,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 HB_TIMEOUT = 3.0
-SLACK = 6.0  # heartbeat period, scheduling noise on 2 shared cores
+SLACK = 20.0  # generous: tells the heartbeat (HB_TIMEOUT) apart from a hang, not how fast it fired
 
 
 def _start_mid_transfer(cluster: Cluster) -> None:

@@ -244,7 +244,7 @@ def test_late_request_for_a_failed_room_is_answered_with_abort():
         recv = NixlKVReceiver(decode, server.addr, 50)
         until(recv.poll, {KVPoll.WaitingForInput})
         recv.init([1])
-        assert until(recv.poll, {KVPoll.Failed}, timeout=5) == KVPoll.Failed  # well before its 20 s timeout
+        assert until(recv.poll, {KVPoll.Failed}, timeout=15) == KVPoll.Failed  # the reason below tells it from the 20 s timeout
         assert "decode destinations arrived within 0.5s" in str(recv.failure_exception())
         assert prefill.num_active_rooms() == 0
     finally:

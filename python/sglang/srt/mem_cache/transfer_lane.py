@@ -43,6 +43,10 @@ class CpuEvent:
     def record(self) -> None:
         self._done.set()
 
+    @property
+    def recorded(self) -> bool:
+        return self._done.is_set()
+
     def fail(self, exc: BaseException) -> None:
         self.error = exc
         self._done.set()
@@ -67,12 +71,16 @@ class CudaEvent:
     def __init__(self, armed: bool = False):
         self._event = torch.cuda.Event()
         self.error: BaseException | None = None
+        # torch.cuda.Event.query() is true before any record, so recording is tracked here
+        self.recorded = not armed
 
     def arm(self) -> None:
         self.error = None
+        self.recorded = False
 
     def record(self) -> None:
         self._event.record(torch.cuda.current_stream())
+        self.recorded = True
 
     def fail(self, exc: BaseException) -> None:
         self.error = exc
@@ -101,7 +109,7 @@ def _fail_pending(events: Sequence, exc: BaseException) -> None:
 
 
 def _recorded(ev) -> bool:
-    return isinstance(ev, CpuEvent) and ev.query()
+    return ev.recorded
 
 
 class ThreadLane:

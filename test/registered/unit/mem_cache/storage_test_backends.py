@@ -8,7 +8,9 @@ wrote) plus faults and delays chosen in the extra config:
 - ``malformed_on``: calls that return a malformed result (a wrong-length or non-list answer);
 - ``fault_rank``: faults and delays apply only on this TP rank (all ranks when absent);
 - ``hang_on``: calls that block (a hung backend) until ``release_hangs()``, or at most
-  ``hang_max_s`` seconds (default 60); ``wait_hanging(timeout)`` waits until one blocks.
+  ``hang_max_s`` seconds (default 60); ``wait_hanging(timeout)`` waits until one blocks, and
+  ``hanging_now()`` says how many are blocked at this moment;
+- ``hang_after``: {call: n}: like ``hang_on`` for that call, from its (n+1)-th on.
 
 It counts its calls (``calls_exists``, ``calls_get``, ``calls_set``) in ``get_stats()``.
 Helpers build the ``dynamic`` extra config and a controller-level setup for the tests.
@@ -23,7 +25,7 @@ import time
 from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
 
 _KEYS = ("delay_exists_s", "delay_get_s", "delay_set_s", "raise_on", "malformed_on", "fault_rank", "hang_on",
-         "hang_max_s")
+         "hang_max_s", "hang_after")
 
 
 class InjectedStorageFault(RuntimeError):
@@ -40,20 +42,26 @@ class ScriptedFileBackend(HiCacheFile):
         self._calls_lock = threading.Lock()
         self._released = threading.Event()
         self._hanging = threading.Event()
+        self._num_hanging = 0
         rest = {k: v for k, v in extra.items() if k not in _KEYS}
         super().__init__(dataclasses.replace(storage_config, extra_config=rest), mem_pool_host)
 
     def _enter(self, what: str) -> str | None:
         with self._calls_lock:
             self.calls[what] += 1
+            nth = self.calls[what]
         if not self.faulty:
             return None
         delay = self.script.get(f"delay_{what}_s", 0)
         if delay:
             time.sleep(delay)
-        if what in self.script.get("hang_on", ()):
+        if what in self.script.get("hang_on", ()) or nth > self.script.get("hang_after", {}).get(what, nth):
+            with self._calls_lock:
+                self._num_hanging += 1
             self._hanging.set()
             self._released.wait(self.script.get("hang_max_s", 60))
+            with self._calls_lock:
+                self._num_hanging -= 1
         if what in self.script.get("raise_on", ()):
             raise InjectedStorageFault(f"injected {what} fault")
         if what in self.script.get("malformed_on", ()):
@@ -78,6 +86,11 @@ class ScriptedFileBackend(HiCacheFile):
     def wait_hanging(self, timeout: float) -> bool:
         """True once a call is blocked by ``hang_on`` (within ``timeout`` seconds)."""
         return self._hanging.wait(timeout)
+
+    def hanging_now(self) -> int:
+        """How many calls are blocked by ``hang_on`` / ``hang_after`` right now."""
+        with self._calls_lock:
+            return self._num_hanging
 
     def release_hangs(self) -> None:
         """Let every blocked call (and every later one) go on."""

@@ -4,13 +4,18 @@ backends, the layer-wise overlap with a deliberately slow (spinning) copy, and a
 storyline device -> host -> device."""
 
 import pytest
-import torch
-from tree_fixtures import assert_kv, expected_kv, make_hicache, start_request
 
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.transfer_lane import StreamLane
-from sglang.srt.mem_cache.tree_node import RadixKey
-from sglang.test.ci.ci_register import register_cuda_ci
+from sglang.test.cuda import require_cuda
+
+require_cuda()  # collect-safe on CPU: the module skips where CUDA is absent
+
+import torch  # noqa: E402
+from tree_fixtures import assert_kv, expected_kv, make_hicache, start_request  # noqa: E402
+
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.transfer_lane import StreamLane  # noqa: E402
+from sglang.srt.mem_cache.tree_node import RadixKey  # noqa: E402
+from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 register_cuda_ci(est_time=40, suite="per-commit-1-gpu")
 

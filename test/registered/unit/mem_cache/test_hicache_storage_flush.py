@@ -43,10 +43,10 @@ def serve(h, tokens):
 
 
 def timed_reset(h):
-    start = time.monotonic()
+    """A flush while a backend call hangs: it gives up (on its timeout) with the call still held."""
     with pytest.raises(HiCacheFlushIncomplete) as err:
         h.reset()
-    assert time.monotonic() - start < FLUSH_TIMEOUT_S + 2.0, "the flush did not respect its timeout"
+    assert h.cache_controller.storage_backend.hanging_now() >= 1, "the flush waited for the hung call"
     return err.value
 
 

@@ -16,12 +16,22 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=10, suite="per-commit-cpu")
 
 TOKENS = [3, 1, 4, 1, 5, 9, 2, 6]
+PREFETCH_DEADLINE_S = 60
 
 
 def config(tmp_path, backend, layout):
     return HiCacheConfig(io_backend="direct", mem_layout=layout, storage_backend=backend, model_name="tiny",
                          storage_backend_extra_config={"storage_dir": str(tmp_path / backend), "prefetch_threshold": 2},
                          prefetch_policy="wait_complete")
+
+
+def wait_prefetch(tree, rid, deadline_s=PREFETCH_DEADLINE_S):
+    """Drive the per-step agreement until prefetch ``rid`` ends; fail after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while not tree.check_prefetch_progress(rid):
+        assert time.monotonic() < deadline, f"prefetch {rid!r} did not end within {deadline_s} s"
+        tree.check_hicache_events()
+        time.sleep(0.005)
 
 
 def settle(tree):
@@ -50,11 +60,7 @@ def test_every_pool_round_trips_through_l3(tmp_path, backend, stack_name, layout
     for pool in pools.values():
         pool.clear()
     assert tree.prefetch_from_storage("r", tree.root_node, TOKENS) == len(TOKENS)
-    deadline = time.monotonic() + 20
-    while not tree.check_prefetch_progress("r"):
-        assert time.monotonic() < deadline
-        tree.check_hicache_events()
-        time.sleep(0.005)
+    wait_prefetch(tree, "r")
     m = tree.match_prefix(RadixKey(TOKENS))
     assert m.host_hit_length == len(TOKENS)
     got = tree.init_load_back(m.last_host_node, m.host_hit_length)
@@ -85,9 +91,7 @@ def test_a_missing_sidecar_page_limits_the_hit(tmp_path):
     name = backend.codec(PoolName.INDEXER).object_names(node.hash_value[2])[0]
     (tmp_path / "file" / name[:2] / f"{name}.bin").unlink()
     tree.prefetch_from_storage("r", tree.root_node, TOKENS)
-    while not tree.check_prefetch_progress("r"):
-        tree.check_hicache_events()
-        time.sleep(0.005)
+    wait_prefetch(tree, "r")
     assert tree.match_prefix(RadixKey(TOKENS)).host_hit_length == 4
     tree.reset()
     stack.cache_controller.close()

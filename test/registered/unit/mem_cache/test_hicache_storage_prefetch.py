@@ -1,9 +1,9 @@
 """L3 prefetch and backup on one rank, against the real file backend (through the ``dynamic``
 ScriptedFileBackend where a slow or failing backend is needed).
 
-Stop policies with a backend whose reads are slow (300 one-token pages = 3 chunks of <= 128):
-best_effort returns what arrived when asked, wait_complete waits for all, timeout stops on its
-budget. prefetch_threshold (asked and found); no capacity formula throttles prefetch. Backups
+Stop policies with a backend whose reads are slow or held (300 one-token pages = 3 chunks of
+<= 128): best_effort returns what arrived when asked, wait_complete waits for all, timeout stops
+on its budget while the read is still held. prefetch_threshold (asked and found); no capacity formula throttles prefetch. Backups
 store only pages missing from L3, and cover a node split between its host write and the ack;
 write_back backs up on eviction. A flush or an abort while reads are in flight returns every
 slot; the integrity check counts reservations while they are held.
@@ -61,11 +61,11 @@ def wait_for(h, cond, what):
 
 
 def prefetch_and_wait(h, tokens, rid="r"):
-    """Start a prefetch from the root and poll it to the end; (host hit, seconds)."""
-    start = time.monotonic()
+    """Start a prefetch from the root and poll it to the end; (host hit, polls it took)."""
     assert h.prefetch_from_storage(rid, h.root_node, tokens) == len(tokens) // h.page_size * h.page_size
-    wait_for(h, lambda: h.check_prefetch_progress(rid), "the prefetch to end")
-    return h.match_prefix(RadixKey(tokens)).host_hit_length, time.monotonic() - start
+    polls = []
+    wait_for(h, lambda: polls.append(1) or h.check_prefetch_progress(rid), "the prefetch to end")
+    return h.match_prefix(RadixKey(tokens)).host_hit_length, len(polls)
 
 
 def filled(tmp_path, tokens=T, **kwargs):
@@ -80,8 +80,8 @@ def filled(tmp_path, tokens=T, **kwargs):
 
 def test_wait_complete_waits_for_every_page_and_the_bytes_come_back(tmp_path):
     h = filled(tmp_path, policy="wait_complete", delay_get_s=0.2)
-    hit, elapsed = prefetch_and_wait(h, T + [1])
-    assert hit == 300 and elapsed >= 3 * 0.2
+    hit, _ = prefetch_and_wait(h, T + [1])
+    assert hit == 300  # all three slow reads were waited for (calls_get below)
     assert h.pop_prefetch_loaded_tokens("r") == 300 and h.pop_prefetch_loaded_tokens("r") == 0
     r = start_request(h, T + [1])
     assert r.loaded == 300
@@ -98,26 +98,43 @@ def test_wait_complete_waits_for_every_page_and_the_bytes_come_back(tmp_path):
 
 
 def test_best_effort_returns_what_arrived_when_asked(tmp_path):
-    h = filled(tmp_path, policy="best_effort", delay_get_s=1.0)
-    h.prefetch_from_storage("r", h.root_node, T)
-    op = h.ongoing_prefetch["r"]
-    wait_for(h, lambda: op.completed_pages >= 128, "the first chunk")
-    assert h.check_prefetch_progress("r") is True  # asked now: stops with what is there
-    hit = h.match_prefix(RadixKey(T)).host_hit_length
-    assert hit in (128, 256)  # whole chunks that arrived, not the 300 still coming
-    h.check_integrity()  # the rest of the reservation is held until its read returns
+    """The first read returns, the second is held: asked then, best_effort stops with chunk one."""
+    h = filled(tmp_path, policy="best_effort", hang_after={"get": 1})
+    backend = h.cache_controller.storage_backend
+    try:
+        h.prefetch_from_storage("r", h.root_node, T)
+        op = h.ongoing_prefetch["r"]
+        wait_for(h, lambda: op.completed_pages >= 128, "the first chunk")
+        assert backend.wait_hanging(DEADLINE_S)  # the second read is held
+        assert h.check_prefetch_progress("r") is True  # asked now: stops with what is there
+        hit = h.match_prefix(RadixKey(T)).host_hit_length
+        assert hit == 128  # the whole chunk that arrived, not the 300 still coming
+        h.check_integrity()  # the rest of the reservation is held until its read returns
+    finally:
+        backend.release_hangs()
+    h.storage.synchronize()
+    h.check_hicache_events()
     h.reset()
     assert h.cache_controller.mem_pool_host.available_size() == 1024
     h.cache_controller.close()
 
 
 def test_timeout_stops_on_its_budget(tmp_path):
-    h = filled(tmp_path, policy="timeout", delay_get_s=1.0, prefetch_timeout_base=0.3,
+    """The read hangs until released (at most 60 s): the prefetch ends on its 0.3 s budget while
+    the read is still held, and the late read returns its slots."""
+    h = filled(tmp_path, policy="timeout", hang_on=["get"], prefetch_timeout_base=0.3,
                prefetch_timeout_per_ki_token=0.0)
-    hit, elapsed = prefetch_and_wait(h, T)
-    assert hit == 0 and 0.3 <= elapsed < 1.0
-    assert l3(h)["prefetch_timeouts"] == 1
+    backend = h.cache_controller.storage_backend
+    try:
+        hit, _ = prefetch_and_wait(h, T)
+        assert hit == 0 and l3(h)["prefetch_timeouts"] == 1
+        assert backend.wait_hanging(0) and l3(h)["prefetch_pages_loaded"] == 0  # still held
+    finally:
+        backend.release_hangs()
+    h.storage.synchronize()
+    h.check_hicache_events()
     h.reset()
+    assert h.cache_controller.mem_pool_host.available_size() == 1024
     h.cache_controller.close()
 
 

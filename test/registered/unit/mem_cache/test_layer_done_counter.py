@@ -1,8 +1,8 @@
-"""Layer-wise load-back: with a deliberately slow host copy, a reader of layer 0 (through the
-device pool, as attention reads it) returns before the last layer has arrived; a failed copy
-makes the waiter raise instead of hang; the event sets rotate."""
+"""Layer-wise load-back: with host copies of layers >= 1 held at a gate, a reader of layer 0
+(through the device pool, as attention reads it) returns while the other layers are still
+waiting; a failed copy makes the waiter raise instead of hang; the event sets rotate."""
 
-import time
+import threading
 
 import pytest
 from tree_fixtures import expected_kv, make_hicache, start_request
@@ -16,15 +16,21 @@ from sglang.test.ci.ci_register import register_cpu_ci
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 LAYERS = 4
-DELAY = 0.4
+GATE_DEADLINE_S = 60  # a gate never opened fails the copy instead of hanging the test
 
 
-class SlowHost(MHATokenToKVPoolHost):
-    """A real host pool whose per-layer load takes DELAY seconds longer."""
+class GatedHost(MHATokenToKVPoolHost):
+    """A real host pool whose loads of layers >= 1 wait until the test opens ``gate``; it records
+    the order in which layers were copied."""
 
-    def load_to_device_per_layer(self, *args, **kwargs):
-        time.sleep(DELAY)
-        super().load_to_device_per_layer(*args, **kwargs)
+    gate = threading.Event()
+    loaded: list[int] = []
+
+    def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend=None):
+        if layer_id > 0 and not self.gate.wait(GATE_DEADLINE_S):
+            raise TimeoutError("the test never opened the gate")
+        super().load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
+        self.loaded.append(layer_id)
 
 
 class FailingHost(MHATokenToKVPoolHost):
@@ -52,21 +58,25 @@ def evicted_prefix(host_cls, tokens):
 
 def test_reader_of_layer_0_does_not_wait_for_the_last_layer():
     tokens = [1, 2, 3, 4, 5, 6]
-    h, pool, got = evicted_prefix(SlowHost, tokens)
+    GatedHost.gate.clear()
+    GatedHost.loaded = []
+    h, pool, got = evicted_prefix(GatedHost, tokens)
     counter = h.cache_controller.layer_done_counter
     k, _ = expected_kv(tokens, layer_num=LAYERS)
-    start = time.monotonic()
-    producer = h.ready_to_load_host_cache()
-    counter.set_consumer(producer)
-    layer0 = pool.get_key_buffer(0)[got]  # waits for layer 0 only
-    waited = time.monotonic() - start
-    last = counter.events[producer].events[LAYERS - 1]
-    assert not last.query(), "layer 0 was released only after the last layer arrived"
-    assert (layer0 == k[0]).all()
-    assert DELAY * 0.9 <= waited < DELAY * (LAYERS - 1)
-    assert h.ready_to_load_host_cache() == producer  # nothing new: still name the running load
+    try:
+        producer = h.ready_to_load_host_cache()
+        counter.set_consumer(producer)
+        layer0 = pool.get_key_buffer(0)[got]  # waits for layer 0 only: the others are gated
+        events = counter.events[producer].events
+        assert GatedHost.loaded == [0] and not any(e.query() for e in events[1:])
+        assert (layer0 == k[0]).all()
+        assert (pool.buffers["k"][1:, got] == 0).all()  # the gated layers have not arrived
+        assert h.ready_to_load_host_cache() == producer  # nothing new: still name the running load
+    finally:
+        GatedHost.gate.set()
     pool.get_key_buffer(LAYERS - 1)  # now wait for the rest
-    assert last.query() and (pool.buffers["k"][:, got] == k).all()
+    assert GatedHost.loaded == list(range(LAYERS))
+    assert events[LAYERS - 1].query() and (pool.buffers["k"][:, got] == k).all()
     assert h.ready_to_load_host_cache() == -1  # nothing in flight
     counter.set_consumer(-1)
     h.check_hicache_events()

@@ -1,13 +1,12 @@
 """The HiCacheStorage contract, identical for every backend: file, NIXL POSIX, NIXL OBJ (moto)."""
 
-import threading
-
 import pytest
 import torch
 from conftest import BACKENDS, fill_random, host_pool, page_keys, pages_of, slots
 
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.threads import run_in_threads
 
 register_cpu_ci(est_time=25, suite="per-commit-cpu")
 
@@ -70,18 +69,12 @@ def test_concurrent_writers_leave_one_whole_page(backend_name, make_backend, mha
     writers = [make_backend(backend_name, mha, share="one-store") for _ in range(2)]
     key = page_keys(1)
     candidates = pages_of(mha, 0, 2)
-    barrier = threading.Barrier(2)
 
     def write(i):
-        barrier.wait()
         for _ in range(5):
             assert writers[i].batch_set_v1(key, slots(mha, i, 1)) == [True]
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads([lambda: write(0), lambda: write(1)], timeout_s=120)  # re-raises a writer's failure
     flags = writers[0].batch_get_v1(key, slots(mha, 8, 1))
     got = mha.get_data_page(8 * mha.page_size)
     if flags == [True]:
