@@ -17,7 +17,9 @@ here (``-k``, ``-m``) deselected everything; anything else fails. A file past
 
 Hypothesis: one seed per run, passed to every file as ``--hypothesis-seed`` and printed with a
 replay command. ``--hypothesis-seed`` (or ``SGLANG_HYPOTHESIS_SEED``) fixes it; otherwise it is
-drawn at random. Tests with ``derandomize=True`` replay the same examples whatever the seed.
+drawn at random. The ``sglang.test.hypothesis_profile`` plugin keeps hypothesis' CI profile from
+derandomizing, so the seed decides the examples under CI too. Tests with ``derandomize=True``
+replay the same examples whatever the seed.
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ def run(
     )
     seed_args = []
     if seed is not None and importlib.util.find_spec("hypothesis") is not None:
-        seed_args = [f"--hypothesis-seed={seed}"]
+        seed_args = ["-p", "sglang.test.hypothesis_profile", f"--hypothesis-seed={seed}"]
         print(f"hypothesis seed: {seed} (replay a run: --hypothesis-seed {seed})", flush=True)
     selecting = any(a.split("=")[0] in _SELECTING_ARGS for a in pytest_args)
     results: list[FileResult] = []
@@ -250,7 +252,7 @@ def _print_summary(results: list[FileResult], total: float, seed: int | None, bu
         print(f"  {r.seconds:7.1f}s  est {r.est_time:5.0f}s  {r.outcome.value:7s} {r.rel}")
     bad = [r for r in results if r.outcome in (Outcome.FAIL, Outcome.TIMEOUT)]
     for r in bad:
-        replay = f" --hypothesis-seed={seed}" if seed is not None else ""
+        replay = f" -p sglang.test.hypothesis_profile --hypothesis-seed={seed}" if seed is not None else ""
         print(f"FAILED {r.rel} ({r.note}); replay: python -m pytest {r.rel}{replay}")
     counts = {o: sum(r.outcome is o for r in results) for o in Outcome}
     parts = [f"{counts[Outcome.FAIL]} failed"] if counts[Outcome.FAIL] else []
