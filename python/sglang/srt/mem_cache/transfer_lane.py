@@ -12,14 +12,28 @@ never hangs on a failed copy: ``synchronize``/``wait`` raise ``HiCacheTransferEr
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from typing import Callable, Sequence
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+# Worker lanes still open, closed at interpreter exit: a daemon thread that the interpreter
+# freezes in the middle of a copy inside torch's C++ code aborts the whole process ("terminate
+# called without an active exception"), so each lane finishes its queue first.
+_OPEN_LANES: "weakref.WeakSet[ThreadLane]" = weakref.WeakSet()
+EXIT_JOIN_TIMEOUT_S = 10
+
+
+@atexit.register
+def _close_open_lanes() -> None:
+    for lane in list(_OPEN_LANES):
+        lane.close(timeout=EXIT_JOIN_TIMEOUT_S)
 
 
 class HiCacheTransferError(RuntimeError):
@@ -123,6 +137,7 @@ class ThreadLane:
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _OPEN_LANES.add(self)
 
     def new_event(self, armed: bool = True) -> CpuEvent:
         return CpuEvent(armed)
@@ -152,10 +167,12 @@ class ThreadLane:
         self.submit(done.record, [done])
         done.synchronize()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30) -> None:
+        """Run the jobs queued so far, then stop the worker (waits at most ``timeout`` s)."""
+        _OPEN_LANES.discard(self)
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
 
 
 class StreamLane:
