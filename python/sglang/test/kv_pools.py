@@ -85,6 +85,15 @@ def randomize_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
     b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).to(b.device))
 
 
+def randomize_pools(gen: torch.Generator, host, *device_pools) -> None:
+    """Every byte of ``device_pools`` (in order), then of each of ``host``'s components, random."""
+    for pool in device_pools:
+        for buf in pool.buffers.values():
+            randomize_bytes(buf, gen)
+    for comp in host.components:
+        randomize_bytes(host.host_buffer(comp.name), gen)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).cpu()
 

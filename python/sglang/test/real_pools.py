@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.memory_pool import (
     PoolKind,
 )
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
-from sglang.test.kv_pools import FP8, make_host_pool, randomize_bytes
+from sglang.test.kv_pools import FP8, make_host_pool, randomize_pools
 
 BF16 = torch.bfloat16
 MLA_DTYPE = FP8 if FP8 is not None else BF16  # fp8 latents are stored as uint8
@@ -92,11 +92,7 @@ def randomized_real_pools(kind: PoolKind, layout: HostLayout, io: str = "direct"
     gen = torch.Generator().manual_seed(seed)
     src, dst = make_real_pool(kind, device), make_real_pool(kind, device)
     host = make_host_pool(src, layout, io)
-    for pool in (src, dst):
-        for buf in pool.buffers.values():
-            randomize_bytes(buf, gen)
-    for comp in host.components:
-        randomize_bytes(host.host_buffer(comp.name), gen)
+    randomize_pools(gen, host, src, dst)
     if device != "cpu":
         torch.cuda.synchronize()
     P = host.page_size

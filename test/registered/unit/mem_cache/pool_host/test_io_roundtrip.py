@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.kvcacheio.dispatch import IO_TABLE
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.srt.mem_cache.pool_host.layout import IOBackend
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
-from sglang.test.kv_pools import KV_DTYPES, as_bytes, host_item, make_device_pool, make_host_pool, randomize_bytes, suite_device
+from sglang.test.kv_pools import KV_DTYPES, as_bytes, host_item, make_device_pool, make_host_pool, randomize_pools, suite_device
 
 register_cpu_ci(est_time=60, suite="per-commit-cpu")
 register_cuda_ci(est_time=60, suite="per-commit-1-gpu")
@@ -64,11 +64,7 @@ def run_case(kind, layout, io, case):
     src = make_device_pool(kind, dtype, page_size, dev_pages, 2, DEVICE)
     dst = make_device_pool(kind, dtype, page_size, dev_pages, 2, DEVICE)
     host = make_host_pool(src, layout, io)
-    for pool in (src, dst):
-        for buf in pool.buffers.values():
-            randomize_bytes(buf, gen)
-    for comp in host.components:
-        randomize_bytes(host.host_buffer(comp.name), gen)
+    randomize_pools(gen, host, src, dst)
     host_before = {c.name: host.host_buffer(c.name).clone() for c in host.components}
     dst_before = {name: as_bytes(buf).clone() for name, buf in dst.buffers.items()}
 
