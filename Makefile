@@ -1,7 +1,7 @@
 # One-command setup and test. A fresh machine needs only Python 3.10+.
 #   make test    create .venv, install, run the per-commit CPU suite
 #   make list    show what the per-commit suite runs
-#   make serve   write a tiny Qwen3 checkpoint and serve it with HiCache + file storage
+#   make serve   write a tiny checkpoint (ARCH=qwen3 by default) and serve it with HiCache + file storage
 #   make clean-serve   remove what make serve keeps between runs (checkpoint, L3 directory)
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,10 +32,11 @@ list: install
 	$(PY) test/run_suite.py --hw $(HW) --suite $(SUITE) --list
 
 SERVE_DIR ?= .cache/serve
+ARCH ?= qwen3
 PORT ?= 30000
 serve: install
-	$(PY) scripts/make_tiny_model.py --arch qwen3 --out $(SERVE_DIR)/tiny-qwen3
-	OMP_NUM_THREADS=1 $(PY) -m sglang.launch_server --model-path $(SERVE_DIR)/tiny-qwen3 --port $(PORT) \
+	$(PY) scripts/make_tiny_model.py --arch $(ARCH) --out $(SERVE_DIR)/tiny-$(ARCH)
+	OMP_NUM_THREADS=1 $(PY) -m sglang.launch_server --model-path $(SERVE_DIR)/tiny-$(ARCH) --port $(PORT) \
 		--max-total-tokens 8192 --page-size 16 --enable-hierarchical-cache --hicache-storage-backend file \
 		--hicache-storage-backend-extra-config '{"storage_dir": "$(SERVE_DIR)/hicache-l3", "prefetch_threshold": 64}'
 

@@ -4,6 +4,12 @@
     python scripts/make_tiny_model.py --arch qwen3 --out /tmp/bench-qwen3 \\
         --hidden 512 --layers 8 --heads 8 --kv-heads 4 --intermediate 1536 --vocab 4000
 
+Architectures in ``HF_ARCHS`` (DeepSeek, MiMo, Qwen3-Next, ...) are built by HF ``transformers``
+(``AutoConfig.for_model`` + ``from_config`` under ``torch.manual_seed(seed)``, then
+``save_pretrained``), so their checkpoint format is the real one; they need transformers
+installed (the ``test`` extra). The size flags map onto each config's keys; ``HF_ARCHS[arch]``
+adds the architecture's own keys.
+
 Writes config.json, generation_config.json, tokenizer.json (byte-level BPE trained here on a
 generated corpus, so every string round-trips), tokenizer_config.json (with a ChatML template)
 and model.safetensors (or ``--shards N`` files plus model.safetensors.index.json). The weights
@@ -30,6 +36,42 @@ ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", 10000.0, True, False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", 1000000.0, False, True),
 }
+# arch -> (model_type, adds BOS, function(args) -> AutoConfig kwargs of that architecture).
+# Each entry is the architecture's tiny shape; the common keys come from hf_common_kwargs.
+HF_ARCHS: dict = {}
+
+
+def hf_common_kwargs(args, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    return {
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate or 2 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": args.max_pos,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "tie_word_embeddings": bool(args.tie),
+    }
+
+
+def write_hf_model(args, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    """Build the model with transformers, save it; returns the written config.json."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, _, arch_kwargs = HF_ARCHS[args.arch]
+    kwargs = {**hf_common_kwargs(args, vocab_size, bos_id, eos_id), **arch_kwargs(args)}
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.out)
+    with open(os.path.join(args.out, "config.json")) as f:
+        return json.load(f)
+
+
 _WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
     "word but not what all were we when your can said there use an each which she do how their if will up "
@@ -129,7 +171,7 @@ def write_weights(out: str, config: dict, seed: int, dtype: str, shards: int) ->
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    p.add_argument("--arch", required=True, choices=sorted([*ARCHS, *HF_ARCHS]))
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
@@ -155,26 +197,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> str:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    tok = build_tokenizer(args.vocab, args.seed, add_bos=ARCHS[args.arch][3])
+    add_bos = HF_ARCHS[args.arch][1] if args.arch in HF_ARCHS else ARCHS[args.arch][3]
+    tok = build_tokenizer(args.vocab, args.seed, add_bos=add_bos)
     tok.save(os.path.join(args.out, "tokenizer.json"))
     bos_id, eos_id = tok.token_to_id("<|bos|>"), tok.token_to_id("<|eos|>")
-    config = hf_config(args, tok.get_vocab_size(with_added_tokens=True), bos_id, eos_id)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    if args.arch in HF_ARCHS:
+        config = write_hf_model(args, vocab_size, bos_id, eos_id)
+    else:
+        config = hf_config(args, vocab_size, bos_id, eos_id)
     files = {
-        "config.json": config,
         "generation_config.json": {"bos_token_id": bos_id, "eos_token_id": [eos_id, tok.token_to_id("<|im_end|>")]},
         "tokenizer_config.json": {
             "bos_token": "<|bos|>",
             "eos_token": "<|eos|>",
             "pad_token": "<|pad|>",
-            "add_bos_token": ARCHS[args.arch][3],
+            "add_bos_token": add_bos,
             "model_max_length": args.max_pos,
             "chat_template": CHAT_TEMPLATE,
         },
     }
+    if args.arch not in HF_ARCHS:
+        files["config.json"] = config
     for name, content in files.items():
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(content, f, indent=2)
-    write_weights(args.out, config, args.seed, args.dtype, args.shards)
+    if args.arch not in HF_ARCHS:
+        write_weights(args.out, config, args.seed, args.dtype, args.shards)
     print(f"wrote {args.arch} model ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
           f"vocab {config['vocab_size']}) to {args.out}")
     return args.out

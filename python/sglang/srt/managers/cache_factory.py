@@ -1,8 +1,13 @@
 """Build the scheduler's prefix cache from ServerArgs and the model runner's pools.
 
 ``RadixCache`` over the device pool, disabled with ``--disable-radix-cache``; with
-``--enable-hierarchical-cache`` a ``HiRadixCache`` whose ``HiCacheController`` owns a host
-pool (``MHATokenToKVPoolHost``) and, with ``--hicache-storage-backend``, an L3 backend.
+``--enable-hierarchical-cache`` a ``HiRadixCache`` whose controller owns the host pools and,
+with ``--hicache-storage-backend``, an L3 backend.
+
+Which host pools and which stack come from the pool kinds the model runner built (the model
+class states them, ``kv_pool_spec.py``), through two tables and no model names:
+``ANCHOR_HOST_CLASSES`` (anchor kind -> host pool) and ``HYBRID_STACK_BUILDERS`` (side pool kind
+-> the builder of its stack in ``hybrid_pool_assembler``).
 """
 
 from __future__ import annotations
@@ -14,10 +19,24 @@ from sglang.srt.mem_cache.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+    ANCHOR_HOST_CLASSES,
+    build_dsv4_stack,
+    build_kv_dsa_stack,
+    build_kv_mamba_stack,
+)
+from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
+from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
 logger = logging.getLogger(__name__)
+
+# Side pool kind -> builder of the hybrid stack around it (HostPoolGroup + controller + tree).
+HYBRID_STACK_BUILDERS = {
+    PoolKind.DSA_INDEXER: build_kv_dsa_stack,
+    PoolKind.DSV4_STATE: build_dsv4_stack,
+    PoolKind.MAMBA: build_kv_mamba_stack,
+}
 
 
 def cache_init_params(args, runner) -> CacheInitParams:
@@ -68,27 +87,68 @@ def _controller(args, params, host_pool, cfg: HiCacheConfig) -> HiCacheControlle
         raise _storage_flags_error(args, exc) from None
 
 
+def check_host_cells(args, runner) -> None:
+    """Every pool the model caches into supports --hicache-mem-layout + --hicache-io-backend;
+    ValueError naming the pool and its supported cells otherwise."""
+    from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
+
+    cell = (HostLayout(args.hicache_mem_layout).value, IOBackend(args.resolved_io_backend).value)
+    for pool in runner.all_pools:
+        cells = supported_cells(pool.kind)
+        if cell not in cells:
+            raise ValueError(
+                f"--hicache-mem-layout {cell[0]} with --hicache-io-backend {cell[1]} is not supported by this "
+                f"model's {pool.kind.value} pool ({type(pool).__name__}); supported layout+io_backend: "
+                + ", ".join(f"{lay}+{io}" for lay, io in cells)
+            )
+
+
+def _side_pool(runner):
+    """(kind, pool) of the runner's one side pool (sidecar or state pool), or None."""
+    sides = [*runner.side_pools.items()]
+    if runner.state_pool is not None:
+        sides.append((runner.state_pool.kind, runner.state_pool))
+    if len(sides) > 1:
+        raise ValueError(f"no HiCache stack for side pools {[k.value for k, _ in sides]}; one is supported")
+    return sides[0] if sides else None
+
+
 def build_tree_cache(args, runner) -> RadixCache:
     """The prefix cache for ``runner``'s pools, as ``args`` asks. ValueError on a bad combination."""
     params = cache_init_params(args, runner)
+    side = _side_pool(runner)
     if not args.enable_hierarchical_cache:
+        if side is not None and not args.disable_radix_cache:
+            raise ValueError(f"this model caches {side[0].value} state beside its KV: the prefix cache needs "
+                             "--enable-hierarchical-cache (or pass --disable-radix-cache)")
         logger.info("prefix cache: %s", "disabled" if args.disable_radix_cache else "RadixCache (device only)")
         return RadixCache(params)
+    check_host_cells(args, runner)
     cfg = hicache_config(args)
-    host_pool = MHATokenToKVPoolHost(
-        runner.token_to_kv_pool,
-        host_to_device_ratio=cfg.hicache_ratio,
-        host_size_gb=cfg.hicache_size_gb,
-        page_size=args.page_size,
-        layout=cfg.mem_layout,
-        io_backend=cfg.io_backend,
-    )
-    controller = _controller(args, params, host_pool, cfg)
-    tree = HiRadixCache(params, controller, cfg.load_back_threshold, prefetch_stop_policy=cfg.prefetch_policy)
+    anchor = runner.token_to_kv_pool
+    if side is not None:
+        try:
+            stack = HYBRID_STACK_BUILDERS[side[0]](params, side[1], cfg)
+        except ValueError as exc:
+            if cfg.storage_backend is None:
+                raise
+            raise _storage_flags_error(args, exc) from None
+        tree, host_pool = stack.tree_cache, stack.host_pool_group
+    else:
+        host_pool = ANCHOR_HOST_CLASSES[anchor.kind](
+            anchor,
+            host_to_device_ratio=cfg.hicache_ratio,
+            host_size_gb=cfg.hicache_size_gb,
+            page_size=args.page_size,
+            layout=cfg.mem_layout,
+            io_backend=cfg.io_backend,
+        )
+        controller = _controller(args, params, host_pool, cfg)
+        tree = HiRadixCache(params, controller, cfg.load_back_threshold, prefetch_stop_policy=cfg.prefetch_policy)
     logger.info(
-        "prefix cache: HiRadixCache, host pool %d tokens (%s, %s), write policy %s, storage %s",
-        host_pool.size, cfg.mem_layout.value, cfg.io_backend.value, cfg.write_policy.value,
-        args.hicache_storage_backend or "none",
+        "prefix cache: %s, pools %s, host %d slots (%s, %s), write policy %s, storage %s",
+        type(tree).__name__, " + ".join(p.kind.value for p in runner.all_pools), host_pool.size,
+        cfg.mem_layout.value, cfg.io_backend.value, cfg.write_policy.value, args.hicache_storage_backend or "none",
     )
     return tree
 

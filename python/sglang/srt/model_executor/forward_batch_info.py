@@ -7,7 +7,7 @@ lengths are tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum, auto
 
 import torch
@@ -39,6 +39,8 @@ class ForwardBatch:
     token_to_kv_pool: object
     attn_backend: object
     hicache_consumer_index: int = -1  # LayerDoneCounter slot to wait on; -1: nothing loading
+    side_pools: dict = field(default_factory=dict)  # PoolKind -> sidecar pool (anchor's slots)
+    state_pool: object = None  # own-slot state pool (Mamba), when the model has one
 
     @property
     def last_token_indices(self) -> torch.Tensor:
@@ -102,6 +104,8 @@ class ForwardBatch:
             req_to_token_pool=runner.req_to_token_pool,
             token_to_kv_pool=runner.token_to_kv_pool,
             attn_backend=runner.attn_backend,
+            side_pools=getattr(runner, "side_pools", {}),
+            state_pool=getattr(runner, "state_pool", None),
             **kwargs,
         )
 

@@ -9,23 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang.srt.models.registry import resolve_architecture
+from sglang.srt.models.registry import get_model_class, resolve_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Fields a Llama-family config may omit, with HF's defaults.
-_HF_DEFAULTS = {
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "max_position_embeddings": 2048,
-    "hidden_act": "silu",
-}
-_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-
 
 def resolve_dtype(dtype: str, device: str | torch.device, config_dtype: str | None) -> torch.dtype:
     """``auto`` is float32 on CPU and the checkpoint's dtype (bfloat16 if unset) elsewhere."""
@@ -64,18 +50,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, model_path: str = "", dtype="auto", device="cpu", context_length=None):
         architecture = resolve_architecture(raw.get("architectures"))
-        missing = [k for k in _REQUIRED if k not in raw]
-        if missing:
-            raise ValueError(f"config.json of {model_path!r} lacks required fields {missing}")
-        hf = {**_HF_DEFAULTS, **raw}
-        hf.setdefault("num_key_value_heads", hf["num_attention_heads"])
-        hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-        if hf["hidden_act"] != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; supported: ['silu']")
+        hf = get_model_class(architecture).complete_hf_config(raw, f"config.json of {model_path!r}")
         max_pos = hf["max_position_embeddings"]
         if context_length is not None and not 0 < context_length <= max_pos:
             raise ValueError(f"context_length must be in [1, max_position_embeddings={max_pos}], got {context_length}")
-        torch_dtype = resolve_dtype(dtype, device, raw.get("torch_dtype"))
+        torch_dtype = resolve_dtype(dtype, device, raw.get("torch_dtype") or raw.get("dtype"))
         return cls(model_path, architecture, SimpleNamespace(**hf), torch_dtype, context_length or max_pos)
 
     @property
@@ -83,13 +62,13 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
-    def head_dim(self) -> int:
-        return self.hf_config.head_dim
-
-    @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
-    def num_kv_heads_per_rank(self, tp_size: int) -> int:
-        """KV heads held by one TP rank (1 when KV heads are replicated across ranks)."""
-        return max(1, self.hf_config.num_key_value_heads // tp_size)
+    @property
+    def model_class(self):
+        return get_model_class(self.architecture)
+
+    def kv_pool_layout(self, tp_size: int):
+        """The pools this model caches into at ``tp_size`` (``KVPoolLayout``)."""
+        return self.model_class.kv_pool_layout(self.hf_config, tp_size, self.dtype)

@@ -20,7 +20,6 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool.mha import MHATokenToKVPool
 from sglang.srt.mem_cache.memory_pool.req_to_token import ReqToTokenPool
 from sglang.srt.mem_cache.pool_host.memory import available_host_bytes
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -60,17 +59,14 @@ class ModelRunner:
         self.attn_backend = TorchNativeAttnBackend(self.device)
         self.sampler = Sampler()
 
-    def _kv_cell_bytes(self) -> int:
-        mc = self.model_config
-        heads = mc.num_kv_heads_per_rank(self.tp_size)
-        return 2 * mc.num_hidden_layers * heads * mc.head_dim * self.dtype.itemsize
-
     def _init_memory_pools(self) -> None:
         cfg, mc = self.config, self.model_config
+        self.kv_pool_layout = layout = mc.kv_pool_layout(self.tp_size)
         if cfg.max_total_tokens is not None:
             tokens = cfg.max_total_tokens
         else:
-            tokens = int(available_memory_bytes(self.device) * cfg.mem_fraction_static) // self._kv_cell_bytes()
+            per_token = layout.bytes_per_token(self.page_size)
+            tokens = int(available_memory_bytes(self.device) * cfg.mem_fraction_static) // max(1, per_token)
             # More than every request slot at full context can never be in use at once.
             tokens = min(tokens, cfg.max_running_requests * mc.context_len)
         # Every rank must hold the same slots: the scheduler's indices are shared.
@@ -78,25 +74,32 @@ class ModelRunner:
         if tokens < self.page_size:
             raise ValueError(f"KV pool would hold {tokens} tokens (< page_size {self.page_size}); free memory")
         self.max_total_num_tokens = tokens
-        self.token_to_kv_pool = MHATokenToKVPool(
-            size=tokens,
-            page_size=self.page_size,
-            dtype=self.dtype,
-            head_num=mc.num_kv_heads_per_rank(self.tp_size),
-            head_dim=mc.head_dim,
-            layer_num=mc.num_hidden_layers,
-            device=self.device,
-        )
+        # The anchor holds the slots the tree tracks; sidecars use the same slots.
+        self.token_to_kv_pool = layout.anchor.build(tokens, self.page_size, self.device)
+        self.side_pools = {spec.kind: spec.build(tokens, self.page_size, self.device) for spec in layout.sidecars}
+        self.state_pool = None
+        if layout.state is not None:
+            self.state_pool = layout.state.build(self.state_pool_slots(), 1, self.device)
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.token_to_kv_pool)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests, mc.context_len, self.device)
         logger.info(
-            "KV pool: %d tokens (page %d, %.1f MiB), %d request slots x context %d",
+            "KV pools: %d tokens (page %d), %s, %.1f MiB; %d request slots x context %d",
             tokens,
             self.page_size,
-            self.token_to_kv_pool.mem_usage_bytes() / 2**20,
+            " + ".join(p.kind.value for p in self.all_pools),
+            sum(p.mem_usage_bytes() for p in self.all_pools) / 2**20,
             cfg.max_running_requests,
             mc.context_len,
         )
+
+    def state_pool_slots(self) -> int:
+        """Own-slot states (Mamba): one per running request, as many again for cached prefixes."""
+        return 2 * self.config.max_running_requests
+
+    @property
+    def all_pools(self) -> list:
+        """Anchor, sidecars, then the state pool (what PD transfer and integrity checks walk)."""
+        return [self.token_to_kv_pool, *self.side_pools.values(), *([self.state_pool] if self.state_pool else [])]
 
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:

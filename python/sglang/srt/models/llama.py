@@ -14,6 +14,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.models.base import ModelSpec
 from sglang.srt.models.weight_names import load_named_weights
 
 
@@ -93,7 +94,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ModelSpec, nn.Module):
     attention_cls = LlamaAttention
     # (fused parameter, HF projection, shard id)
     stacked_params_mapping = (

@@ -99,14 +99,15 @@ class TorchNativeAttnBackend:
         )
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
-        """``q`` (T, Hq, D), ``k``/``v`` (T, Hkv, D) -> (T, Hq * D). Writes k/v to the pool at
-        ``forward_batch.out_cache_loc`` first, then reads every key through the pool."""
+        """``q`` (T, Hq, D), ``k`` (T, Hkv, D), ``v`` (T, Hkv, Dv) -> (T, Hq * Dv). Writes k/v to the
+        pool at ``forward_batch.out_cache_loc`` first, then reads every key through the pool (an MLA
+        pool's value buffer is a view of its latent, so ``v`` may be None there)."""
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
-        out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.head_dim)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         for chunk in self.forward_metadata:
             rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
             out[rows] = self._attend(q[rows], k_buf, v_buf, chunk, layer).to(out.dtype)
@@ -116,7 +117,7 @@ class TorchNativeAttnBackend:
         """One chunk, fp32: scores per key block (heads, blocks, rows, key_block); per block the
         softmax numerator (P @ V) and denominator (row sums of P), then the fixed-order tree
         over blocks."""
-        num_kv, head_dim, block = layer.tp_k_head_num, layer.head_dim, self.key_block
+        num_kv, head_dim, v_dim, block = layer.tp_k_head_num, layer.head_dim, layer.v_head_dim, self.key_block
         group, rows, nb = layer.tp_q_head_num // num_kv, chunk.padded_rows, chunk.num_blocks
 
         q = F.pad(q.float() * layer.scaling, (0, 0, 0, 0, 0, rows - chunk.q_len))
@@ -125,7 +126,7 @@ class TorchNativeAttnBackend:
         vals = v_buf.index_select(0, chunk.token_slots).float()
         vals[chunk.num_keys :] = 0  # padding slots: P is 0 there, but 0 * NaN would not be
         keys = keys.view(nb, block, num_kv, head_dim).permute(2, 0, 3, 1)  # (Hkv, nb, D, block)
-        vals = vals.view(nb, block, num_kv, head_dim).permute(2, 0, 1, 3)  # (Hkv, nb, block, D)
+        vals = vals.view(nb, block, num_kv, v_dim).permute(2, 0, 1, 3)  # (Hkv, nb, block, Dv)
 
         scores = torch.matmul(q, keys)  # (Hkv, nb, group * rows, block)
         by_row = scores.view(num_kv, nb, group, rows, block)
@@ -133,5 +134,5 @@ class TorchNativeAttnBackend:
         by_row.sub_(by_row.amax(dim=(1, 4), keepdim=True)).exp_()
         numerator = tree_sum_blocks(torch.matmul(scores, vals))
         denominator = tree_sum_blocks(scores.sum(dim=-1, keepdim=True))
-        out = (numerator / denominator).view(num_kv, group, rows, head_dim).permute(2, 0, 1, 3)
+        out = (numerator / denominator).view(num_kv, group, rows, v_dim).permute(2, 0, 1, 3)
         return out.reshape(rows, -1)[: chunk.q_len]
