@@ -115,12 +115,15 @@ def _side_pool(runner):
 
 def build_tree_cache(args, runner) -> RadixCache:
     """The prefix cache for ``runner``'s pools, as ``args`` asks. ValueError on a bad combination."""
-    params = cache_init_params(args, runner)
     side = _side_pool(runner)
+    # Sidecars share the anchor's slots, so a device-only RadixCache frees them with the anchor; an
+    # own-slot state pool needs the hybrid tree, which only the HiCache stack builds.
+    state = runner.state_pool
+    if not args.enable_hierarchical_cache and state is not None and not args.disable_radix_cache:
+        raise ValueError(f"this model caches {state.kind.value} state beside its KV: the prefix cache needs "
+                         "--enable-hierarchical-cache (or pass --disable-radix-cache)")
+    params = cache_init_params(args, runner)
     if not args.enable_hierarchical_cache:
-        if side is not None and not args.disable_radix_cache:
-            raise ValueError(f"this model caches {side[0].value} state beside its KV: the prefix cache needs "
-                             "--enable-hierarchical-cache (or pass --disable-radix-cache)")
         logger.info("prefix cache: %s", "disabled" if args.disable_radix_cache else "RadixCache (device only)")
         return RadixCache(params)
     check_host_cells(args, runner)
