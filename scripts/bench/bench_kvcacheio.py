@@ -2,8 +2,10 @@
 
 For each cell: back up ``--pages`` scattered pages (device -> host, all layers) and load them
 back (host -> device, layer by layer), and in the same run time a plain contiguous
-``Tensor.copy_`` of the same number of bytes between the same two memories. Prints GB/s and
-the ratio to that baseline; ``--json FILE`` writes one record per case.
+``Tensor.copy_`` of the same number of bytes between the same two memories, alternating the
+two. Prints GB/s and the median per-round ratio to that baseline; ``--json FILE`` writes one
+record per case. ``impl`` names the routine: on CPU, ``direct`` moves every range of a job in
+one native call (``kvcacheio/csrc/native_copy.c``) when that helper is built.
 
     python scripts/bench/bench_kvcacheio.py [--device cpu|cuda] [--pages 256] [--json out.json]
 
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
+from sglang.srt.mem_cache.kvcacheio import direct  # noqa: E402
 from sglang.srt.mem_cache.kvcacheio.dispatch import IO_TABLE  # noqa: E402
 from sglang.srt.mem_cache.kvcacheio.kernel import triton_usable  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
@@ -58,18 +61,25 @@ def chunk_bytes(host) -> int:
     return min(c.item_bytes for c in host.components) * host.page_size
 
 
-def timed(fn, device: str, repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs after one warm-up."""
+def timed_pair(fn, base, device: str, repeat: int) -> tuple[float, float, float]:
+    """Median seconds of ``fn`` and of ``base`` and the median of their per-round ratio, over
+    ``repeat`` rounds that run one after the other (after one warm-up each), so a neighbour that
+    slows the machine for a while slows both sides of a round."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    samples = []
-    for _ in range(repeat):
+
+    def once(f) -> float:
         t0 = time.perf_counter()
-        fn()
+        f()
         sync()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        return time.perf_counter() - t0
+
+    once(fn), once(base)
+    ours, theirs = [], []
+    for _ in range(repeat):
+        ours.append(once(fn))
+        theirs.append(once(base))
+    ratio = statistics.median(b / a for a, b in zip(ours, theirs))
+    return statistics.median(ours), statistics.median(theirs), ratio
 
 
 def num_pages_for(kind, args) -> int:
@@ -105,6 +115,8 @@ def bench_cell(kind, layout, io, args, gen):
 
     if io.value == "direct" or dev.device.type == "cuda":
         impl = host.io.name
+        if io.value == "direct" and dev.device.type == "cpu":
+            impl += "+native" if direct.NATIVE_COPY else "+torch"
     else:
         impl = "triton-interpreter (not a benchmark)" if triton_usable(dev.device) else "torch-gather (no GPU)"
     rows = []
@@ -112,13 +124,12 @@ def bench_cell(kind, layout, io, args, gen):
         ("backup", backup, lambda: flat_host.copy_(flat_dev, non_blocking=True)),
         ("load", load, lambda: flat_dev.copy_(flat_host, non_blocking=True)),
     ):
-        t = timed(fn, args.device, args.repeat)
-        tb = timed(base, args.device, args.repeat)
+        t, tb, ratio = timed_pair(fn, base, args.device, args.repeat)
         gbps, base_gbps = nbytes / t / 1e9, nbytes / tb / 1e9
         rows.append(
             dict(kind=kind.value, layout=layout.value, io_backend=io.value, direction=direction,
                  page_bytes=host.page_bytes, gbps=round(gbps, 3), baseline_gbps=round(base_gbps, 3),
-                 ratio=round(gbps / base_gbps, 3), impl=impl, chunk_bytes=chunk_bytes(host), pages=n)
+                 ratio=round(ratio, 3), impl=impl, chunk_bytes=chunk_bytes(host), pages=n)
         )
     host.destroy()
     return rows
@@ -131,7 +142,7 @@ def main() -> int:
     parser.add_argument("--min-mib", type=int, default=256, help="move at least this many MiB per call")
     parser.add_argument("--page-size", type=int, default=64, help="tokens per page (Mamba: 1 slot)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--kinds", default=",".join(k.value for k in PoolKind if k is not PoolKind.DSV4_ANCHOR))
     parser.add_argument("--cpu-kernel-cells", action="store_true", help="also time kernel cells without a GPU")
     parser.add_argument("--json", help="write the records to this file as a JSON list")

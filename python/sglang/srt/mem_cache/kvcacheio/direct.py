@@ -28,6 +28,11 @@ import torch
 from sglang.srt.mem_cache.kvcacheio.spec import ComponentIO
 from sglang.srt.mem_cache.pool_host.layout import ItemMap
 
+try:  # optional C helper (python/setup.py): every range of a job in one call, GIL released
+    from sglang.srt.mem_cache.kvcacheio import _native
+except ImportError:  # no compiler at install time: the torch paths below serve
+    _native = None
+
 # Below this many bytes per (page, layer), one call per range costs more than copying the bytes
 # twice (gather + scatter); measured on a 2-core CPU, see docs/host_pools.md.
 _ROW_COPY_MAX_BYTES = 2 << 10
@@ -36,8 +41,10 @@ _STAGE_BYTES = 1 << 20
 # At most this many one-pass copies (one per run of consecutive rows) before gather + scatter.
 _MAX_RUN_CALLS = 16
 _local = threading.local()
-# CPU <-> CPU copies as strided page rows (``_copy_cpu_pages``); False routes them through the
-# row / segment paths the device copies take (tests exercise those paths on CPU this way).
+# CPU <-> CPU copies: the native range copy when built (``NATIVE_COPY``), else strided page rows
+# (``_copy_cpu_pages``); CPU_PAGE_ROWS False routes them through the row / segment paths the
+# device copies take (tests exercise those paths on CPU this way).
+NATIVE_COPY = _native is not None
 CPU_PAGE_ROWS = True
 _PAGE_STAGE_BYTES = 64 << 20  # staging bound of the page-row path (a job larger than this goes in pieces)
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -163,17 +170,31 @@ def _stage_like(view: torch.Tensor, pages: int) -> torch.Tensor:
 def copy_pages(src, dst, src_map, dst_map, src_slots, dst_slots, layers: range, views: dict | None = None) -> None:
     """Copy every (layer, page) of the paired slots: CPU <-> CPU as page rows (strided views
     cached in ``views``); otherwise small ranges by rows, large ones by segment."""
-    if (CPU_PAGE_ROWS and src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
-            and layers.step == 1 and len(layers)):
+    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
+    if CPU_PAGE_ROWS and on_cpu and not NATIVE_COPY and layers.step == 1 and len(layers):
         _copy_cpu_pages(src, dst, src_map, dst_map, src_slots, dst_slots, layers, views)
         return
     src_off, dst_off, seg = _page_offsets(src_map, dst_map, src_slots, dst_slots, layers, src.element_size())
     if src_off.numel() == 0:
         return
+    if CPU_PAGE_ROWS and on_cpu and NATIVE_COPY:
+        native_copy(src, dst, src_off.numpy(), dst_off.numpy(), seg)
+        return
     if seg < _ROW_COPY_MAX_BYTES:
         copy_rows(src, dst, src_off, dst_off, seg)
     else:
         copy_segments(src, dst, *_merge(src_off, dst_off, seg))
+
+
+def native_copy(src: torch.Tensor, dst: torch.Tensor, src_off: np.ndarray, dst_off: np.ndarray, lengths) -> None:
+    """memcpy each byte range ``src_off[i] -> dst_off[i]`` (``lengths``: one int or per range)
+    between two CPU tensors in one native call without the GIL; ValueError, with nothing copied,
+    if a range leaves either buffer."""
+    if not isinstance(lengths, int):
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    _native.copy_ranges(src.data_ptr(), src.numel() * src.element_size(), dst.data_ptr(),
+                        dst.numel() * dst.element_size(), np.ascontiguousarray(src_off, dtype=np.int64),
+                        np.ascontiguousarray(dst_off, dtype=np.int64), lengths)
 
 
 def _check_bounds(offsets: np.ndarray, lengths: np.ndarray, t: torch.Tensor, what: str) -> None:
