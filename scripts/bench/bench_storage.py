@@ -21,6 +21,10 @@ into the same host pages + ``os.close``, in the same run. Like with like:
   served by the page cache unless O_DIRECT is on (``--direct``: the NIXL POSIX backend with
   O_DIRECT against an O_DIRECT baseline).
 
+A ``nixl_raw`` row (unless ``--no-raw-nixl``) moves the baseline's files with a bare NIXL POSIX
+agent (one registration and one transfer of all pages, busy-polled): what NIXL itself costs,
+so a NIXL row's gap to the baseline splits into NIXL's part and the backend's part.
+
 All backends of a page size and ONE baseline run in every repetition, in an order rotated
 between repetitions, so they share the machine's state (an earlier version timed a separate
 baseline beside each backend, and two of those baselines moving the same bytes differed 3x).
@@ -104,6 +108,53 @@ class Baseline:
     def clear(self, rep: int) -> None:
         for path in self.paths.pop(rep, []):
             os.unlink(path)
+
+
+class RawNixl(Baseline):
+    """The same files as the baseline, moved by a bare NIXL POSIX agent: register the files
+    (FILE descriptors at offset 0), one transfer of every page, polled to completion. No key,
+    trailer, checksum or existence check: the floor a NIXL backend cannot go below, so the
+    NIXL rows can be read as (ours / raw NIXL) x (raw NIXL / plain)."""
+
+    def __init__(self, pages: list[memoryview], root: str, direct: bool, host):
+        super().__init__(pages, root, direct)
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent(f"bench-raw-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
+        self.agent.create_backend("POSIX", {"use_direct_io": "true" if direct else "false"})
+        self.dram = [(host.get_data_page(i * PAGE_TOKENS, flat=False)[0].data_ptr(), len(p), 0)
+                     for i, p in enumerate(pages)]
+        self.dram_reg = self.agent.register_memory([(*d, "") for d in self.dram], "DRAM")
+
+    def _move(self, rep: int, op: str, flags: int) -> None:
+        fds = [os.open(path, flags | self.flag, 0o644) for path in self._paths(rep)]
+        try:
+            files = [(0, d[1], fd, "") for d, fd in zip(self.dram, fds)]
+            reg = self.agent.register_memory(files, "FILE")
+            try:
+                local = self.agent.get_xfer_descs(self.dram, "DRAM")
+                remote = self.agent.get_xfer_descs([(0, d[1], fd) for d, fd in zip(self.dram, fds)], "FILE")
+                handle = self.agent.initialize_xfer(op, local, remote, self.agent.name)
+                state = self.agent.transfer(handle)
+                while state not in ("DONE", "ERR"):
+                    state = self.agent.check_xfer_state(handle)
+                if state == "ERR":
+                    raise RuntimeError(f"raw NIXL {op} failed")
+                self.agent.release_xfer_handle(handle)
+            finally:
+                self.agent.deregister_memory(reg)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def set(self, rep: int) -> None:
+        self._move(rep, "WRITE", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+
+    def get(self, rep: int) -> None:
+        self._move(rep, "READ", os.O_RDONLY)
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.dram_reg)
 
 
 class Backend:
@@ -234,6 +285,10 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict
             if base not in sides:
                 sides[base] = Baseline(pages, f"{root}/{base}", direct)
             baseline_of[label] = (base, direct)
+        if args.raw_nixl:
+            sides["nixl_raw"] = raw = RawNixl(pages, f"{root}/nixl_raw", False, host)
+            stores.append(raw)
+            baseline_of["nixl_raw"] = ("baseline", False)
         times = run_case(args, sides)
     finally:
         for store in stores:
@@ -251,6 +306,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new one under /tmp)")
     parser.add_argument("--obj", action="store_true", help="also NIXL OBJ against a local moto S3 server")
     parser.add_argument("--direct", action="store_true", help="also NIXL POSIX with O_DIRECT")
+    parser.add_argument("--no-raw-nixl", dest="raw_nixl", action="store_false",
+                        help="skip the bare NIXL POSIX row (the same files moved by one NIXL transfer)")
     parser.add_argument("--json", default=None, help="write the records to this file as a JSON list")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_storage_", dir="/tmp")
