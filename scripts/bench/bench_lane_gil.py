@@ -50,7 +50,7 @@ SHAPES = {  # name -> (kv heads, head dim, dtype): bytes per (page of 16, layer)
 }
 
 
-def per_range_copy_pages(src, dst, src_map, dst_map, src_slots, dst_slots, layers) -> None:
+def per_range_copy_pages(src, dst, src_map, dst_map, src_slots, dst_slots, layers, views=None) -> None:
     """The baseline: one memmove (one GIL release) per merged (page, layer) range."""
     src_off, dst_off, lengths = direct.page_segments(src_map, dst_map, src_slots, dst_slots, layers,
                                                      src.element_size())
