@@ -41,6 +41,87 @@ ARCHS = {
 HF_ARCHS: dict = {}
 
 
+def _deepseek_kwargs(args) -> dict:
+    """Tiny MLA + MoE shape shared by DeepSeek V2/V3: latent 32 + rope 8, 8 routed experts (top 2 of
+    2 of 4 groups), one shared expert, layer 0 dense; init std 0.1 so greedy tokens are not near-ties."""
+    return {
+        "num_key_value_heads": args.heads,  # MLA: every head reads the one latent
+        "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "initializer_range": 0.1,
+    }
+
+
+HF_ARCHS["deepseek_v2"] = ("deepseek_v2", True, lambda args: {
+    **_deepseek_kwargs(args), "q_lora_rank": None, "topk_method": "group_limited_greedy",
+})
+def _yarn(args) -> dict:
+    return {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": max(64, args.max_pos // 4),
+            "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+
+
+HF_ARCHS["deepseek_v3"] = ("deepseek_v3", True, lambda args: {
+    **_deepseek_kwargs(args), "q_lora_rank": 24, "rope_scaling": _yarn(args),
+})
+# DSA: 8 indexer heads of 32 (fewer heads make exact ReLU-zero score ties likely), top 16 keys, so
+# any prompt past 16 tokens attends sparsely.
+HF_ARCHS["deepseek_v32"] = ("deepseek_v32", True, lambda args: {
+    **_deepseek_kwargs(args), "q_lora_rank": 24, "rope_scaling": _yarn(args),
+    "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16,
+})
+
+
+def _mimo_v2_flash_kwargs(args) -> dict:
+    """Tiny MiMo-V2-Flash: q/k head_dim 1.5x the v head dim (192/128 in the release), full
+    attention on every third layer from 0 and a 40-token sliding window (with sinks) on the rest,
+    layer 0 dense, 8 routed experts (top 2 of 2 of 4 groups); init std 0.1 against near-ties."""
+    v_head_dim = args.hidden // args.heads
+    return {
+        "head_dim": args.head_dim or v_head_dim * 3 // 2, "v_head_dim": v_head_dim, "sliding_window": 40,
+        "layer_types": ["full_attention" if i % 3 == 0 else "sliding_attention" for i in range(args.layers)],
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 4,
+        "topk_group": 2, "initializer_range": 0.1,
+    }
+
+
+HF_ARCHS["mimo_v2_flash"] = ("mimo_v2_flash", False, _mimo_v2_flash_kwargs)
+
+
+def _deepseek_v4_kwargs(args) -> dict:
+    """Tiny DeepSeek-V4: layers cycle CSA (blocks of 4, indexer of 8 heads keeping the top 4) /
+    HCA (blocks of 16) / sliding only, a 16-token window, 4 mHC streams, 4 routed experts (top 2),
+    the first half of the layers hash-routed; init std 0.15 against near-ties."""
+    kinds = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
+    return {
+        "num_key_value_heads": 1, "head_dim": args.head_dim or 32, "intermediate_size": args.intermediate or 32,
+        "q_lora_rank": 32,
+        "partial_rotary_factor": 0.5, "layer_types": [kinds[i % 3] for i in range(args.layers)],
+        "mlp_layer_types": ["hash_moe" if i < (args.layers + 1) // 2 else "moe" for i in range(args.layers)],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "sliding_window": 16, "hc_mult": 4, "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 8,
+        "index_head_dim": 16, "index_topk": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "initializer_range": 0.15,
+    }
+
+
+HF_ARCHS["deepseek_v4"] = ("deepseek_v4", True, _deepseek_v4_kwargs)
+
+
+def _qwen3_next_kwargs(args) -> dict:
+    """Tiny Qwen3-Next: full attention on every second layer (linear attention on the others), Gated
+    DeltaNet with 2 key / 4 value heads of 16, conv kernel 4, 4 experts (top 2) plus a shared
+    expert; init std 0.1 against near-ties."""
+    return {
+        "head_dim": args.head_dim or args.hidden // args.heads, "full_attention_interval": 2,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "initializer_range": 0.1,
+    }
+
+
+HF_ARCHS["qwen3_next"] = ("qwen3_next", False, _qwen3_next_kwargs)
+
+
 def hf_common_kwargs(args, vocab_size: int, bos_id: int, eos_id: int) -> dict:
     return {
         "hidden_size": args.hidden,

@@ -28,6 +28,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")  # mem_cache.evict_policy.EvictionPolicy (checked in a test)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")  # managers.schedule_policy.SchedulePolicy (checked in a test)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("nixl",)
 
 
 def _choices(enum_cls) -> tuple[str, ...]:
@@ -93,11 +95,21 @@ class ServerArgs:
         None, "backend options: a JSON object, or @path to a .json or .toml file")
     disable_hicache_numa_detect: bool = opt(False, "accepted for upstream compatibility; no effect (host pools "
                                             "are not NUMA-bound here)")
+    # prefill/decode disaggregation (docs/pd_transfer.md)
+    disaggregation_mode: str = opt("null", "null: a normal server; prefill / decode: one half of a PD deployment "
+                                   "behind sglang-router --pd-disaggregation", DISAGGREGATION_MODES)
+    disaggregation_transfer_backend: str = opt("nixl", "KV transfer engine between prefill and decode",
+                                               DISAGGREGATION_TRANSFER_BACKENDS)
+    disaggregation_bootstrap_port: int = opt(8998, "port of the bootstrap server a prefill server hosts (give it "
+                                             "to the router after the prefill URL)")
+    disaggregation_ib_device: str | None = opt(None, "accepted for upstream compatibility; UCX picks the "
+                                               "network devices itself (set UCX_NET_DEVICES to choose)")
 
     def __post_init__(self):
         self._check_ranges()
         self._check_choices()
         self._check_hicache()
+        self._check_disaggregation()
 
     # ---- validation ----------------------------------------------------------------------
     def _check_ranges(self) -> None:
@@ -163,6 +175,26 @@ class ServerArgs:
             default = "" if self.hicache_io_backend else f" (the default on --device {self.device})"
             raise ValueError(f"--hicache-mem-layout {layout.value} does not work with --hicache-io-backend "
                              f"{io.value}{default}; supported layout+io_backend: {', '.join(cells)}")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode == "null":
+            return
+        mode = f"--disaggregation-mode {self.disaggregation_mode}"
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError(f"--disaggregation-bootstrap-port {self.disaggregation_bootstrap_port!r} is invalid; "
+                             "must be in [1, 65535]")
+        if self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == self.port:
+            raise ValueError(f"--disaggregation-bootstrap-port {self.disaggregation_bootstrap_port} is also --port; "
+                             "the bootstrap server needs a port of its own")
+        if self.device != "cpu":
+            raise ValueError(f"{mode} does not support --device {self.device} yet: PD transfer registers the KV "
+                             "pool as host (DRAM) memory; use --device cpu")
+        try:
+            import nixl._api  # noqa: F401  (the transfer engine; fail at startup, not at the first request)
+            import zmq  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"{mode} needs the transfer backend {self.disaggregation_transfer_backend!r}: "
+                             f"{exc}; install the 'pd' extra (pip install 'sglang[pd]')") from None
 
     # ---- derived values ----------------------------------------------------------------------
     @property

@@ -35,3 +35,18 @@ def launch_router(worker_urls: list[str], policy: str = "cache_aware", *flags: s
            "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
            "--prometheus-port", str(metrics_port), "--log-level", "warn", *flags]
     return start_process(cmd, port, _routes_requests, "router", timeout_s, handle=RouterProcess)
+
+
+def launch_pd_router(prefills: list[tuple[str, int | None]], decode_urls: list[str], *flags: str,
+                     timeout_s: float = 60, log_dir: str | None = None) -> RouterProcess:
+    """The router in PD mode: ``prefills`` are (url, bootstrap port or None) pairs, then the
+    decode servers. Ready once a /generate through it (prefill + decode) succeeds."""
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bootstrap_port in prefills:
+        cmd += ["--prefill", url, "none" if bootstrap_port is None else str(bootstrap_port)]
+    for url in decode_urls:
+        cmd += ["--decode", url]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(metrics_port), "--log-level", "warn", *flags]
+    return start_process(cmd, port, _routes_requests, "router", timeout_s, log_dir=log_dir, handle=RouterProcess)

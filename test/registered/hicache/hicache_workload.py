@@ -24,6 +24,7 @@ class Turn:
     output_ids: list[int]
     logprobs: list[float]
     cached: dict
+    prompt: list[int] | None = None  # the ids sent: history + the new question
 
 
 def run_workload(server, clients: int = 4, rounds: int = 3, system_len: int = 48, question_len: int = 40,
@@ -42,7 +43,7 @@ def run_workload(server, clients: int = 4, rounds: int = 3, system_len: int = 48
         meta = out["meta_info"]
         history[c] = prompt + out["output_ids"]
         return Turn(c, r, out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]],
-                    meta["cached_tokens_details"])
+                    meta["cached_tokens_details"], prompt)
 
     with ThreadPoolExecutor(max_workers=clients if concurrent else 1) as pool:
         for r in range(rounds):
@@ -72,7 +73,7 @@ def run_open_loop(server, clients: int = 4, rounds: int = 3, system_len: int = 4
             meta = out["meta_info"]
             history = prompt + out["output_ids"]
             turns.append(Turn(c, r, out["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]],
-                              meta["cached_tokens_details"]))
+                              meta["cached_tokens_details"], prompt))
         return turns
 
     with ThreadPoolExecutor(max_workers=clients) as pool:

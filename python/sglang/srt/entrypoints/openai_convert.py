@@ -9,7 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang.srt.entrypoints.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from sglang.srt.managers.generate_request import BadRequestError, GenerateReqInput, check_token_ids
+from sglang.srt.managers.generate_request import (
+    BadRequestError,
+    GenerateReqInput,
+    check_bootstrap_fields,
+    check_token_ids,
+)
 from sglang.srt.managers.request_schema import parse_request
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # upstream: up to the context length; here every page is reserved at admission
@@ -43,6 +48,14 @@ def _sampling_params(req, max_tokens: int) -> dict:
     return {k: v for k, v in params.items() if v is not None}
 
 
+def _bootstrap(req) -> dict:
+    """The PD bootstrap fields the router added (checked here: a ValueError raised while
+    GenerateReqInput is built would reach the client as a pydantic error, not a 400)."""
+    check_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    return {"bootstrap_host": req.bootstrap_host, "bootstrap_port": req.bootstrap_port,
+            "bootstrap_room": req.bootstrap_room}
+
+
 def _finish(req, gen: GenerateReqInput, logprobs: bool) -> OpenAIRequest:
     _check_model(req.model)
     return OpenAIRequest(gen, req.model, req.include_usage, req.continuous_usage, logprobs)
@@ -64,7 +77,7 @@ def parse_completion(body: dict) -> OpenAIRequest:
     params = _sampling_params(req, req.max_tokens)
     gen = GenerateReqInput(text=text, input_ids=ids, sampling_params=params, stream=req.stream,
                            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-                           rid=req.rid)
+                           rid=req.rid, **_bootstrap(req))
     return _finish(req, gen, req.logprobs is not None)
 
 
@@ -99,5 +112,5 @@ def parse_chat(body: dict, tokenizer) -> OpenAIRequest:
     params = _sampling_params(req, DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens)
     top = req.top_logprobs or 0
     gen = GenerateReqInput(input_ids=ids, sampling_params=params, stream=req.stream, return_logprob=req.logprobs,
-                           top_logprobs_num=top if req.logprobs else 0, rid=req.rid)
+                           top_logprobs_num=top if req.logprobs else 0, rid=req.rid, **_bootstrap(req))
     return _finish(req, gen, req.logprobs)

@@ -15,7 +15,6 @@ from sglang.srt.managers.request_schema import RequestModel, Unsupported
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (upstream's too)
 CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
-_PD = "disaggregation is not enabled on this server (prefill/decode serving is not implemented yet)"
 _DP = "this server has a single data-parallel rank (0)"
 _GRAMMAR = "constrained decoding is not implemented"
 _PENALTY = "penalties are not implemented"
@@ -59,7 +58,7 @@ class _OpenAIBase(RequestModel):
     custom_params: Optional[dict] = None
     custom_logit_processor: Optional[Union[str, list]] = None
     images_config: Optional[dict] = None
-    bootstrap_host: Optional[Union[str, list]] = None
+    bootstrap_host: Optional[Union[str, list]] = None  # PD serving: set by the router, see generate_request.py
     bootstrap_port: Optional[Union[int, list]] = None
     bootstrap_room: Optional[Union[int, list]] = None
     routed_dp_rank: Optional[int] = None
@@ -90,9 +89,6 @@ class _OpenAIBase(RequestModel):
         "custom_params": Unsupported("custom logit processors are not implemented"),
         "custom_logit_processor": Unsupported("custom logit processors are not implemented"),
         "images_config": Unsupported("multimodal inputs are not supported (text-only models)"),
-        "bootstrap_host": Unsupported(_PD),
-        "bootstrap_port": Unsupported(_PD),
-        "bootstrap_room": Unsupported(_PD),
         "routed_dp_rank": Unsupported(_DP, also=(0,)),
         "disagg_prefill_dp_rank": Unsupported(_DP, also=(0,)),
         "data_parallel_rank": Unsupported(_DP, also=(0,)),

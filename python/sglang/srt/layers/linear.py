@@ -97,7 +97,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection sharded by attention heads. When the TP size exceeds the number
-    of KV heads, each KV head is replicated on ``tp_size // total_num_kv_heads`` ranks."""
+    of KV heads, each KV head is replicated on ``tp_size // total_num_kv_heads`` ranks.
+    ``v_head_size`` (default ``head_size``) differs for asymmetric heads (MiMo-V2-Flash)."""
 
     def __init__(
         self,
@@ -107,9 +108,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
         params_dtype=None,
+        v_head_size: int | None = None,
     ):
         tp_size = get_tensor_model_parallel_world_size()
         self.head_size = head_size
+        self.v_head_size = head_size if v_head_size is None else v_head_size
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
         if tp_size >= total_num_kv_heads:
             if tp_size % total_num_kv_heads:
@@ -121,17 +124,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
             self.num_kv_head_replicas = 1
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        out = (self.num_heads * head_size + self.num_kv_heads * (head_size + self.v_head_size)) * tp_size
         super().__init__(hidden_size, out, bias, params_dtype)
 
     def _shard_layout(self, shard_id: str) -> tuple[int, int, int]:
         """(offset in param, size, start in checkpoint tensor) along dim 0."""
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        kv_start = (self.tp_rank // self.num_kv_head_replicas) * kv_size
+        v_size = self.num_kv_heads * self.v_head_size
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
         table = {
             "q": (0, q_size, self.tp_rank * q_size),
-            "k": (q_size, kv_size, kv_start),
-            "v": (q_size + kv_size, kv_size, kv_start),
+            "k": (q_size, kv_size, kv_rank * kv_size),
+            "v": (q_size + kv_size, v_size, kv_rank * v_size),
         }
         if shard_id not in table:
             raise ValueError(f"shard_id must be one of {sorted(table)}, got {shard_id!r}")

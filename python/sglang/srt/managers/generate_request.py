@@ -3,7 +3,9 @@
 Honoured: ``text`` / ``input_ids``, ``sampling_params``, ``stream``, ``return_logprob``,
 ``top_logprobs_num``, ``return_text_in_logprobs``, ``rid``, ``logprob_start_len`` (-1: output
 tokens only), ``no_logs`` (request contents are never logged), ``model``, ``stream_options``,
-``session_id`` / ``conversation_id`` / ``routing_key`` (labels without effect here). Every other
+``session_id`` / ``conversation_id`` / ``routing_key`` (labels without effect here),
+``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room`` (PD serving: the router sets them;
+a server in null mode ignores them, as upstream's does). Every other
 upstream field is accepted at its default and refused otherwise (``UNSUPPORTED``). Problems raise
 ``BadRequestError`` (HTTP 400) naming the field; nothing reaches the scheduler unless well-formed.
 """
@@ -15,11 +17,12 @@ from typing import Any, Optional, Union
 from sglang.srt.managers.request_schema import BadRequestError, RequestModel, Unsupported, parse_request
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-__all__ = ["BadRequestError", "GenerateReqInput", "check_token_ids", "parse_sampling_params"]
+__all__ = ["BadRequestError", "GenerateReqInput", "check_bootstrap_fields", "check_token_ids", "parse_sampling_params"]
 
 BATCH = "batch requests (a list of prompts) are not supported; send one prompt per request"
 _MM = "multimodal inputs are not supported (text-only models)"
-_PD = "disaggregation is not enabled on this server (prefill/decode serving is not implemented yet)"
+_PD = "not implemented by this server's PD serving"
+MAX_BOOTSTRAP_ROOM = 1 << 63  # rooms are signed 64-bit on the wire
 _DP = "this server has a single data-parallel rank (0)"
 _INTERNAL = "an internal field of upstream's tokenizer manager"
 
@@ -32,6 +35,18 @@ def check_token_ids(name: str, ids) -> list[int]:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise BadRequestError(f"{name} must hold integers only")
     return ids
+
+
+def check_bootstrap_fields(host, port, room) -> None:
+    """Types and ranges of the PD bootstrap fields (each may be None); BadRequestError naming the field."""
+    if isinstance(host, list) or isinstance(port, list) or isinstance(room, list):
+        raise BadRequestError(BATCH)
+    if host is not None and not host:
+        raise BadRequestError("bootstrap_host must not be empty")
+    if port is not None and not 1 <= port <= 65535:
+        raise BadRequestError(f"bootstrap_port must be in [1, 65535], got {port}")
+    if room is not None and not 0 <= room < MAX_BOOTSTRAP_ROOM:
+        raise BadRequestError(f"bootstrap_room must be in [0, 2**63), got {room}")
 
 
 def parse_sampling_params(params: dict) -> SamplingParams:
@@ -82,7 +97,7 @@ class GenerateReqInput(RequestModel):
     lora_id: Optional[Union[str, list]] = None
     custom_logit_processor: Optional[Union[str, list]] = None
     positional_embed_overrides: Any = None
-    bootstrap_host: Optional[Union[str, list]] = None
+    bootstrap_host: Optional[Union[str, list]] = None  # honoured (PD serving)
     bootstrap_port: Optional[Union[int, list]] = None
     bootstrap_room: Optional[Union[int, list]] = None
     bootstrap_pair_key: Optional[Union[str, list]] = None
@@ -134,7 +149,7 @@ class GenerateReqInput(RequestModel):
         "lora_id": Unsupported("LoRA adapters are not supported"),
         "custom_logit_processor": Unsupported("custom logit processors are not implemented"),
         **{name: Unsupported(_PD) for name in (
-            "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size")},
+            "bootstrap_pair_key", "decode_tp_size")},
         **{name: Unsupported(_DP, also=(0,)) for name in (
             "routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank")},
         "kv_router_hint": Unsupported("KV router hints are not implemented"),
@@ -177,6 +192,7 @@ class GenerateReqInput(RequestModel):
             raise BadRequestError(f"logprob_start_len={self.logprob_start_len} is not supported by this server: "
                                   "prompt logprobs are not computed; use -1 (output tokens only)")
         self.logprob_start_len = -1 if self.logprob_start_len is None else self.logprob_start_len
+        check_bootstrap_fields(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
 
     def parsed_sampling_params(self) -> SamplingParams:
         return parse_sampling_params(self.sampling_params)

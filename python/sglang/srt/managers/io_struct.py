@@ -33,6 +33,10 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     seed: int | None = None  # noise seed; rank 0 draws one when sampling_seed is unset
+    # PD serving (set by sglang-router --pd-disaggregation; None on a normal server)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass

@@ -75,6 +75,10 @@ class Req:
         self.last_node = None
         self.max_pages = 0  # own pages this request may still need, fixed at admission
         self.pages_allocated = 0
+        # own-slot model state (Mamba / linear attention; managers/mamba_state.py): the request's
+        # state slot (1-element tensor) and the slot its next forward starts from (-1: zeros)
+        self.mamba_pool_idx: torch.Tensor | None = None
+        self.mamba_src_idx: int = -1
         self.cached_tokens = empty_tier_counts()
         # outputs
         self.logprobs: list[float] = []

@@ -95,6 +95,7 @@ class PrefillAdder:
     storage_enabled: bool = False
     conservativeness: float = 1.0  # scales the decode tokens a request reserves (>= 1)
     max_reserve_tokens: int = 1 << 62  # a reservation never exceeds this (the device pool)
+    mamba: object = None  # mamba_state.MambaStateSlots when the model has a state pool
     entries: list[tuple[Req, int]] = field(default_factory=list)  # (request, tokens to compute now)
     chunked: Req | None = None  # the request left part-prefilled after this batch
 
@@ -122,8 +123,14 @@ class PrefillAdder:
         tree = self.tree_cache
         if self.storage_enabled and not tree.check_prefetch_progress(req.rid):
             return AddResult.PREFETCHING
+        if self.mamba is not None and not self.mamba.reserve(req):
+            return AddResult.NO_MEMORY  # no state slot free and none evictable
         if not self._match_and_lock(req):
+            if self.mamba is not None:
+                self.mamba.unreserve(req)
             return AddResult.NO_MEMORY
+        if self.mamba is not None:
+            self.mamba.bind_source(req)
         req.req_pool_idx = self.req_to_token_pool.alloc(1)[0]
         if req.prefix_indices.numel():
             self.req_to_token_pool.write((req.req_pool_idx, slice(0, req.prefix_indices.numel())), req.prefix_indices)

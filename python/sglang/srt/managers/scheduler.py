@@ -18,6 +18,7 @@ from collections import deque
 
 import torch
 
+from sglang.srt.disaggregation.scheduler_glue import build_disaggregation
 from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -27,6 +28,7 @@ from sglang.srt.managers.io_struct import (
     ReqOutput,
     TokenizedGenerateReqInput,
 )
+from sglang.srt.managers.mamba_state import MambaStateSlots
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
 from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder, WaitingQueueOrder, match_request
 from sglang.srt.managers.scheduler_stats import SchedulerStats
@@ -70,6 +72,7 @@ class Scheduler:
             self.tree_cache.cache_controller.defer_writes = True
         self.storage_enabled = storage_enabled(self.tree_cache)
         self.slots = TokenSlotAllocator(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.page_size)
+        self.mamba = MambaStateSlots.build(self.tree_cache, self.runner)  # None without a state pool
         self.waiting: deque[Req] = deque()
         self.queue_order = WaitingQueueOrder(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.running: list[Req] = []
@@ -77,6 +80,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._outputs: list[ReqOutput] = []
         self._idle_checked = True
+        self.disagg = build_disaggregation(self)  # PD queues and transfers; None in null mode
 
     def server_info(self) -> dict:
         return {
@@ -126,6 +130,13 @@ class Scheduler:
             req.finish(FinishReason.ABORT, message=reason)
             self._finish(req)
             return
+        self._idle_checked = False
+        if self.disagg is not None and self.disagg.add_request(req, msg):
+            return  # the PD queues hold it until its peer is ready (prefill then calls enqueue)
+        self.enqueue(req)
+
+    def enqueue(self, req: Req) -> None:
+        """Put a request into the waiting queue (and start its L3 prefetch)."""
         self.waiting.append(req)
         self._idle_checked = False
         if self.storage_enabled:
@@ -142,6 +153,8 @@ class Scheduler:
 
     def abort_request(self, rid: str) -> None:
         """Drop ``rid`` wherever it is; its computed KV goes to the tree like a finished one."""
+        if self.disagg is not None and self.disagg.abort(rid):
+            return
         for req in list(self.waiting):
             if req.rid == rid:
                 self.waiting.remove(req)
@@ -162,7 +175,10 @@ class Scheduler:
 
     def handle_control(self, msg: ControlReq) -> ControlOutput:
         if msg.kind is ControlKind.GET_STATS:
-            return ControlOutput(msg.cid, True, payload=self.stats.snapshot(self))
+            payload = self.stats.snapshot(self)
+            if self.disagg is not None:
+                payload["disaggregation"] = self.disagg.info()
+            return ControlOutput(msg.cid, True, payload=payload)
         if msg.kind in ADMIN_KINDS:  # runtime L3 attach / detach
             return handle_storage_admin(self, msg)
         return self.flush_cache(msg.cid)
@@ -170,7 +186,7 @@ class Scheduler:
     def flush_cache(self, cid: int = 0) -> ControlOutput:
         """Drop every cached prefix on device and host (L3 keeps its pages). Refused while
         requests are in the engine."""
-        if self.waiting or self.running or self.chunked_req is not None:
+        if self.has_work():
             n = len(self.waiting) + len(self.running) + (self.chunked_req is not None)
             return ControlOutput(cid, False, f"cache not flushed: {n} requests in flight")
         self._idle_checked = False
@@ -189,6 +205,8 @@ class Scheduler:
         if self.hicache:
             self._flush_host_backups()  # those an abort between steps made due
             self.tree_cache.check_hicache_events()
+        if self.disagg is not None:
+            self.disagg.step()  # PD queues: bootstrap / pre-allocation, transfers in flight
         adder = self._build_prefill()
         if adder is None and not self.running and self._waiting_on_host_writes():
             # Nothing can run because the memory the waiting requests need is locked by host
@@ -217,6 +235,8 @@ class Scheduler:
 
     def _reserved_tokens(self) -> int:
         held = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        if self.disagg is not None:
+            held += self.disagg.held_reqs()
         return sum(r.own_pages_left for r in held) * self.page_size
 
     def _build_prefill(self) -> PrefillAdder | None:
@@ -224,7 +244,7 @@ class Scheduler:
         adder = PrefillAdder(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.runner.req_to_token_pool,
                              self.page_size, budget, self._reserved_tokens(), self.storage_enabled,
                              conservativeness=self.args.schedule_conservativeness,
-                             max_reserve_tokens=self.runner.max_total_num_tokens)
+                             max_reserve_tokens=self.runner.max_total_num_tokens, mamba=self.mamba)
         if self.chunked_req is not None:
             adder.add_chunked(self.chunked_req)
         self.queue_order.apply(self.waiting)
@@ -251,7 +271,8 @@ class Scheduler:
         out_cache_loc = torch.cat([self.slots.take(r, n) for r, n in entries])
         consumer = self.tree_cache.ready_to_load_host_cache() if self.hicache else -1
         batch = ForwardBatch.init_extend(self.runner, [r.req_pool_idx for r in reqs], prefix_lens, inputs,
-                                         out_cache_loc, hicache_consumer_index=consumer)
+                                         out_cache_loc, hicache_consumer_index=consumer,
+                                         mamba_slots=self.mamba.forward_slots(reqs) if self.mamba else None)
         logits = self.runner.forward(batch)
         self.stats.counters.num_prefill_batches += 1
         self.chunked_req = adder.chunked
@@ -268,10 +289,14 @@ class Scheduler:
         seq_lens = [r.kv_len + 1 for r in reqs]
         out_cache_loc = torch.cat([self.slots.take(r, 1) for r in reqs])
         batch = ForwardBatch.init_decode(self.runner, [r.req_pool_idx for r in reqs], last_tokens, seq_lens,
-                                         out_cache_loc)
+                                         out_cache_loc,
+                                         mamba_slots=self.mamba.forward_slots(reqs) if self.mamba else None)
         logits = self.runner.forward(batch)
         self.stats.counters.num_decode_batches += 1
         self._sample(reqs, logits)
+        if self.mamba is not None:  # state checkpoints where decode crossed a page boundary
+            for req in [r for r in self.running if self.mamba.due_checkpoint(r, self.page_size)]:
+                self._cache_unfinished(req)
 
     def _sample(self, reqs: list[Req], logits) -> None:
         """Pick each request's next token; finished ones leave, new ones join ``running``."""
@@ -310,11 +335,17 @@ class Scheduler:
         others can share them, and point its request row at the tree's slots."""
         self.tree_cache.cache_unfinished_req(req, chunked=True)
         self.runner.req_to_token_pool.write((req.req_pool_idx, slice(0, req.kv_len)), req.kv_indices)
+        if self.mamba is not None:
+            self.mamba.checkpoint(req)  # the state after those pages, when they are all the request computed
 
     def _finish(self, req: Req) -> None:
         """Give the request's KV to the tree, free its row, report it."""
+        if self.disagg is not None and self.disagg.intercept_finish(req):
+            return  # prefill: its KV is being sent; finished again once the transfer ended
         if req.req_pool_idx is not None:
             self.tree_cache.cache_finished_req(req)
+            if self.mamba is not None:
+                self.mamba.on_finished(req)
             self.runner.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         self.stats.on_finished(req)
@@ -322,7 +353,8 @@ class Scheduler:
 
     # ---- idle and integrity --------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req is not None)
+        pd = self.disagg is not None and self.disagg.has_work()
+        return bool(self.waiting or self.running or self.chunked_req is not None or pd)
 
     def transfers_in_flight(self) -> bool:
         """Host transfers, L3 prefetches or L3 backups not yet acknowledged."""
@@ -342,6 +374,8 @@ class Scheduler:
         """Every device slot is free, in the tree, or in a page a request holds; with HiCache the
         same for host slots. Raises CacheIntegrityError with the numbers."""
         held = [r for r in self.running] + ([self.chunked_req] if self.chunked_req is not None else [])
+        if self.disagg is not None:
+            held += self.disagg.held_reqs()
         pages = [r.held_pages(self.page_size) for r in held]
         if self.tree_cache.disable:
             used = sum(int(p.numel()) for p in pages)
@@ -351,7 +385,9 @@ class Scheduler:
                     f"device pool: free {alloc.available_size()} + held by requests {used} != "
                     f"capacity {self.runner.max_total_num_tokens}")
         else:
-            self.tree_cache.check_integrity(pages)
+            self.tree_cache.check_integrity(pages, **(self.mamba.tree_integrity_kwargs(held) if self.mamba else {}))
+        if self.mamba is not None:
+            self.mamba.check_integrity(held)
 
     def on_idle(self) -> None:
         """Once per idle period: the integrity check plus the request-row leak check."""
@@ -366,6 +402,8 @@ class Scheduler:
         logger.debug("idle integrity check passed")
 
     def shutdown(self) -> None:
+        if self.disagg is not None:
+            self.disagg.close()
         controller = getattr(self.tree_cache, "cache_controller", None)
         if controller is not None:
             controller.close()

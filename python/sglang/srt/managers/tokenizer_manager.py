@@ -160,7 +160,29 @@ class TokenizerManager:
         rid = obj.rid or uuid.uuid4().hex
         if rid in self.rid_to_state:
             raise BadRequestError(f"rid {rid!r} is already in use")
-        return TokenizedGenerateReqInput(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream)
+        return TokenizedGenerateReqInput(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
+                                         **self._bootstrap(obj))
+
+    def _bootstrap(self, obj: GenerateReqInput) -> dict:
+        """The PD bootstrap fields for the scheduler: none in null mode (ignored there, as upstream's
+        normal server does); required in prefill (room) and decode (host, room; port defaults to
+        --disaggregation-bootstrap-port) mode."""
+        mode = getattr(self.args, "disaggregation_mode", "null")
+        if mode == "null":
+            return {}
+        port = obj.bootstrap_port if obj.bootstrap_port is not None else self.args.disaggregation_bootstrap_port
+        missing = [name for name, value in (("bootstrap_room", obj.bootstrap_room),
+                                            ("bootstrap_host", obj.bootstrap_host if mode == "decode" else ""))
+                   if value is None]
+        if missing:
+            raise BadRequestError(f"this server runs --disaggregation-mode {mode}: requests need "
+                                  f"{' and '.join(missing)} (send them through sglang-router --pd-disaggregation)")
+        from sglang.srt.disaggregation.utils import TOP_LOGPROBS_MAX
+
+        if obj.top_logprobs_num > TOP_LOGPROBS_MAX:
+            raise BadRequestError(f"top_logprobs_num={obj.top_logprobs_num}: PD serving carries at most "
+                                  f"{TOP_LOGPROBS_MAX} top logprobs of the first token from prefill to decode")
+        return {"bootstrap_host": obj.bootstrap_host, "bootstrap_port": port, "bootstrap_room": obj.bootstrap_room}
 
     async def generate(self, req: TokenizedGenerateReqInput, request=None):
         """Yield the request's state each time it changes, until it finishes. Aborts the request

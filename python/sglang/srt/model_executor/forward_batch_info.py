@@ -41,6 +41,7 @@ class ForwardBatch:
     hicache_consumer_index: int = -1  # LayerDoneCounter slot to wait on; -1: nothing loading
     side_pools: dict = field(default_factory=dict)  # PoolKind -> sidecar pool (anchor's slots)
     state_pool: object = None  # own-slot state pool (Mamba), when the model has one
+    mamba_slots: object = None  # linear_attention.StateSlots: per request, state slot to read / write
 
     @property
     def last_token_indices(self) -> torch.Tensor:

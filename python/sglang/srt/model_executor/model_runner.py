@@ -66,7 +66,11 @@ class ModelRunner:
             tokens = cfg.max_total_tokens
         else:
             per_token = layout.bytes_per_token(self.page_size)
-            tokens = int(available_memory_bytes(self.device) * cfg.mem_fraction_static) // max(1, per_token)
+            budget = int(available_memory_bytes(self.device) * cfg.mem_fraction_static)
+            if layout.state is not None:  # the own-slot state pool comes out of the same budget
+                one = layout.state.build(1, 1, "meta")
+                budget -= one.get_size_per_token() * (self.state_pool_slots() + one.total_slots - one.size)
+            tokens = max(budget, 0) // max(1, per_token)
             # More than every request slot at full context can never be in use at once.
             tokens = min(tokens, cfg.max_running_requests * mc.context_len)
         # Every rank must hold the same slots: the scheduler's indices are shared.

@@ -8,6 +8,12 @@ import importlib
 _MODELS = {
     "LlamaForCausalLM": "sglang.srt.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "sglang.srt.models.qwen3:Qwen3ForCausalLM",
+    "DeepseekV4ForCausalLM": "sglang.srt.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "Qwen3NextForCausalLM": "sglang.srt.models.qwen3_next:Qwen3NextForCausalLM",
+    "MiMoV2FlashForCausalLM": "sglang.srt.models.mimo_v2_flash:MiMoV2FlashForCausalLM",
+    "DeepseekV2ForCausalLM": "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "sglang.srt.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "sglang.srt.models.deepseek_v32:DeepseekV32ForCausalLM",
 }
 
 

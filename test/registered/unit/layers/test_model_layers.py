@@ -75,8 +75,8 @@ def test_llama3_rope_scaling_frequencies():
 
 
 def test_unknown_rope_type_lists_supported():
-    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'yarn'.*llama3"):
-        RotaryEmbedding(16, 8, 1e4, {"rope_type": "yarn", "factor": 2})
+    with pytest.raises(ValueError, match=r"unsupported rope_scaling type 'longrope'.*llama3.*yarn"):
+        RotaryEmbedding(16, 8, 1e4, {"rope_type": "longrope", "factor": 2})
 
 
 def test_rmsnorm_and_fused_residual():

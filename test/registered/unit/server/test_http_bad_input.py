@@ -162,7 +162,7 @@ def test_non_finite_temperature(server, route, raw):
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, ["top_logprobs", "[0, 20]"]),
     ("/generate", {"lora_path": "my-adapter"}, ["lora_path", "LoRA"]),
     ("/generate", {"return_hidden_states": True}, ["return_hidden_states", "not supported"]),
-    ("/generate", {"bootstrap_host": "127.0.0.1", "bootstrap_room": 1}, ["bootstrap", "disaggregation is not enabled"]),
+    ("/generate", {"bootstrap_pair_key": "k", "bootstrap_room": 1}, ["bootstrap_pair_key", "PD serving"]),
     ("/v1/chat/completions", {"separate_reasoning": True, "continue_final_message": True}, ["continue_final_message"]),
     ("/v1/completions", {"model": "tiny:adapter"}, ["model='tiny:adapter'", "LoRA"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "mood": "happy"}]},

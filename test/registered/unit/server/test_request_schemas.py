@@ -128,9 +128,10 @@ def test_upstream_only_sampling_params_refused_off_default(name):
 
 
 @pytest.mark.parametrize("route, body, words", [
-    ("/generate", {"text": "hi", "bootstrap_host": "10.0.0.1"}, ["bootstrap_host", "disaggregation is not enabled"]),
-    ("/generate", {"text": "hi", "bootstrap_room": 7}, ["bootstrap_room", "disaggregation"]),
-    ("/v1/completions", {"prompt": "hi", "bootstrap_port": 8998}, ["bootstrap_port", "disaggregation"]),
+    # null mode ignores bootstrap_host/port/room (the PD fields; see test_pd_server.py) but checks their values
+    ("/generate", {"text": "hi", "bootstrap_pair_key": "k"}, ["bootstrap_pair_key", "PD serving"]),
+    ("/generate", {"text": "hi", "bootstrap_room": -7}, ["bootstrap_room", "[0, 2**63)"]),
+    ("/v1/completions", {"prompt": "hi", "bootstrap_port": 0}, ["bootstrap_port", "[1, 65535]"]),
     ("/generate", {"text": "hi", "lora_path": "adapter"}, ["lora_path", "LoRA"]),
     ("/generate", {"text": "hi", "return_hidden_states": True}, ["return_hidden_states"]),
     ("/generate", {"text": "hi", "log_metrics": False}, ["log_metrics"]),

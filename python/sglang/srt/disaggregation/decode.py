@@ -1,0 +1,182 @@
+"""Decode server side of PD serving: pre-allocation queue -> transfer queue -> normal decoding.
+
+A request (carrying the router's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``)
+gets a ``NixlKVReceiver`` for the prefill server at that address and waits in the
+pre-allocation queue until the receiver found its prefill ranks and device memory allows it:
+then it takes a request-table row and the pages of its whole prompt, reserves its decode pages
+the way ``PrefillAdder`` does (prompt + max_new_tokens - 1, so decoding never runs short), and
+hands the receiver the destination page ids and its aux row. In the transfer queue it is polled
+every step; once every TP rank saw the transfer complete, its first token is read from the aux
+row and it joins the running batch like a request that was just prefilled here. A failed
+transfer frees its pages and row and finishes it aborted, with the reason.
+
+Decode-side prefix caching is not done: every prompt's KV comes from prefill (finished
+requests still give their KV to this server's tree, which only evicts it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.scheduler_glue import DisaggBase
+from sglang.srt.disaggregation.utils import agreed_polls, page_ids_of
+from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
+from sglang.srt.mem_cache.tree_node import empty_indices
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeDisagg(DisaggBase):
+    mode = "decode"
+
+    def __init__(self, scheduler):
+        super().__init__(scheduler, None)
+        self.prealloc: list[tuple[Req, object]] = []  # waiting for the prefill ranks and for memory
+        self.transfer: list[tuple[Req, object]] = []  # destination pages handed over, KV on its way
+        self.memory_waits: set[str] = set()  # rids that had to wait for device memory (or a request row)
+        self.num_memory_waits = 0
+
+    # ---- scheduler interface -------------------------------------------------------------------
+    def add_request(self, req: Req, msg) -> bool:
+        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+
+        if msg.bootstrap_room is None or msg.bootstrap_host is None or msg.bootstrap_port is None:
+            req.finish(FinishReason.ABORT, message="a decode server needs bootstrap_host, bootstrap_port and "
+                                                   "bootstrap_room (send requests through the PD router)")
+            self.sched._finish(req)
+            return True
+        addr = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
+        try:
+            receiver = NixlKVReceiver(self.mgr, addr, msg.bootstrap_room)
+        except ValueError as exc:  # the room already has a receiver here
+            req.finish(FinishReason.ABORT, message=str(exc))
+            self.sched._finish(req)
+            return True
+        self.prealloc.append((req, receiver))
+        return True
+
+    def step(self) -> None:
+        if self.prealloc:
+            self._poll_prealloc()
+        if self.transfer:
+            self._poll_transfer()
+
+    def intercept_finish(self, req: Req) -> bool:
+        return False
+
+    def abort(self, rid: str) -> bool:
+        for queue in (self.prealloc, self.transfer):
+            for i, (req, receiver) in enumerate(queue):
+                if req.rid == rid:
+                    del queue[i]
+                    receiver.abort()
+                    self._release(req)
+                    req.finish(FinishReason.ABORT, message="aborted")
+                    self.sched._finish(req)
+                    return True
+        return False
+
+    def queued_reqs(self) -> list[Req]:
+        return [r for r, _ in self.prealloc]
+
+    def held_reqs(self) -> list[Req]:
+        return [r for r, _ in self.transfer]
+
+    def info(self) -> dict:
+        return {**super().info(), "pd_prealloc_queue": len(self.prealloc), "pd_transfer_queue": len(self.transfer),
+                "pd_memory_waits": self.num_memory_waits}
+
+    # ---- queues --------------------------------------------------------------------------------
+    def _poll_prealloc(self) -> None:
+        states = agreed_polls([r.poll() for _, r in self.prealloc])
+        keep, memory_short = [], False
+        for (req, receiver), state in zip(self.prealloc, states, strict=True):
+            if state is KVPoll.Failed:
+                self._drop(req, receiver)
+            elif state is KVPoll.WaitingForInput and not memory_short and self._allocate(req):
+                pages = page_ids_of(req.kv_indices, self.page_size)
+                receiver.init(pages, aux_index=req.req_pool_idx)
+                self.transfer.append((req, receiver))
+            else:
+                if state is KVPoll.WaitingForInput:
+                    memory_short = True  # first come, first served: later requests wait behind it
+                    if req.rid not in self.memory_waits:
+                        self.memory_waits.add(req.rid)
+                        self.num_memory_waits += 1
+                keep.append((req, receiver))
+        self.prealloc = keep
+        self.memory_waits &= {r.rid for r, _ in keep}
+
+    def _poll_transfer(self) -> None:
+        states = agreed_polls([r.poll() for _, r in self.transfer])
+        keep = []
+        for (req, receiver), state in zip(self.transfer, states, strict=True):
+            if state is KVPoll.Success:
+                self.num_transferred += 1
+                self._start_decoding(req)
+            elif state is KVPoll.Failed:
+                self._drop(req, receiver)
+            else:
+                keep.append((req, receiver))
+        self.transfer = keep
+
+    def _allocate(self, req: Req) -> bool:
+        """Take a request row and the prompt's pages, reserving the decode pages too; False (nothing
+        taken) when the request table or device memory is short."""
+        sched, pool = self.sched, self.runner.req_to_token_pool
+        if pool.available_size() == 0:
+            return False
+        tree, P = sched.tree_cache, self.page_size
+        n = len(req.origin_input_ids)
+        own_pages = num_pages(n + max(req.sampling_params.max_new_tokens - 1, 0), P)
+        room = self.runner.token_to_kv_pool_allocator.available_size() + tree.evictable_size()
+        if own_pages * P > room - sched._reserved_tokens():
+            return False
+        req.prefix_indices, req.kv_indices, req.last_node = empty_indices(), empty_indices(), tree.root_node
+        req.max_pages, req.pages_allocated = own_pages, 0
+        req.req_pool_idx = pool.alloc(1)[0]
+        slots = sched.slots.take(req, n)
+        pool.write((req.req_pool_idx, slice(0, n)), slots)
+        return True
+
+    def _start_decoding(self, req: Req) -> None:
+        """The KV and first token arrived: the request continues as if prefilled here."""
+        sched = self.sched
+        token, logprob, top = self.aux.read(req.req_pool_idx)
+        self.aux.clear(req.req_pool_idx)
+        if req.sampling_params.max_new_tokens == 0:
+            req.finish(FinishReason.LENGTH)
+            sched._finish(req)
+            return
+        if token is None:
+            self._release(req)
+            self.fail(req, "prefill sent no first token")
+            sched._finish(req)
+            return
+        req.output_ids.append(token)
+        req.logprobs.append(logprob)
+        req.top_logprobs.append(top[: req.top_logprobs_num])
+        req.check_finished(token, sched.context_len, sched._tail_text)
+        if req.finished is not None:
+            sched._finish(req)
+            return
+        sched.running.append(req)
+        sched._cache_unfinished(req)
+        sched._outputs.append(req.make_output())  # the first token: TTFT
+
+    def _release(self, req: Req) -> None:
+        """Free the pages and row of a request whose KV never fully arrived (not into the tree:
+        its pages may hold partial KV)."""
+        if req.req_pool_idx is None:
+            return
+        self.sched.tree_cache.cache_finished_req(req, is_insert=False)
+        self.runner.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    def _drop(self, req: Req, receiver) -> None:
+        exc = receiver.failure_exception()
+        receiver.abort()
+        self._release(req)
+        self.fail(req, str(exc) if exc else "failed on another TP rank of this server")
+        self.sched._finish(req)

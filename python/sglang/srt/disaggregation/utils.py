@@ -1,0 +1,140 @@
+"""Scheduler-side PD helpers shared by the prefill and decode halves.
+
+``FirstTokenAux``: the aux buffers that carry a request's first output token (id, logprob, top
+logprobs) from prefill to decode, one row per request-table row. ``build_kv_args``: the
+``KVArgs`` of one rank from its model runner's device pool. ``transfer_config``: timeouts from
+upstream's environment variables. ``agreed_polls``: every TP rank of a server sees the same
+transfer state before acting on it (a MIN all-reduce over the gloo group: Failed < Bootstrapping
+< WaitingForInput < Transferring < Success).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+
+import torch
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, TransferConfig
+
+logger = logging.getLogger(__name__)
+
+TOP_LOGPROBS_MAX = 20  # OpenAI's (and upstream's) limit on top logprobs per token
+
+# Upstream's environment variables (seconds), read once per server start.
+ENV_BOOTSTRAP_TIMEOUT = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
+ENV_WAITING_TIMEOUT = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
+ENV_HEARTBEAT_INTERVAL = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
+ENV_HEARTBEAT_MAX_FAILURE = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
+    """TransferConfig of one rank. Timeouts: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (a
+    request waits this long for its peer; default 300), ``..._WAITING_TIMEOUT`` (for its KV once
+    both sides met; 300), ``..._HEARTBEAT_INTERVAL`` (1) x ``..._HEARTBEAT_MAX_FAILURE`` (5):
+    a peer silent that long is dead and its requests fail."""
+    interval = _env_seconds(ENV_HEARTBEAT_INTERVAL, 1.0)
+    failures = _env_seconds(ENV_HEARTBEAT_MAX_FAILURE, 5.0)
+    return TransferConfig(
+        host=host, bootstrap_addr=bootstrap_addr,
+        bootstrap_timeout_s=_env_seconds(ENV_BOOTSTRAP_TIMEOUT, 300.0),
+        transfer_timeout_s=_env_seconds(ENV_WAITING_TIMEOUT, 300.0),
+        heartbeat_interval_s=interval, heartbeat_timeout_s=interval * max(failures, 1.5),
+    )
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address peers reach this server at: ``bind_host`` unless it is a wildcard, else the
+    address of the interface that routes outwards (no packet is sent)."""
+    if bind_host not in ("", "0.0.0.0", "::"):
+        return bind_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class FirstTokenAux:
+    """Per request-table row: the first output token, its logprob and its top logprobs.
+
+    Prefill writes the row of the request it just prefilled; the transfer copies the row to the
+    decode request's row; decode reads it back. Contiguous CPU tensors (registered with NIXL).
+    """
+
+    def __init__(self, rows: int, top_k: int = TOP_LOGPROBS_MAX):
+        self.top_k = top_k
+        self.token = torch.full((rows, 2), -1, dtype=torch.int64)  # [token id, number of top entries]
+        self.logprob = torch.zeros((rows, 1), dtype=torch.float32)
+        self.top_ids = torch.zeros((rows, top_k), dtype=torch.int64)
+        self.top_logprobs = torch.zeros((rows, top_k), dtype=torch.float32)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.token, self.logprob, self.top_ids, self.top_logprobs]
+
+    def write(self, row: int, token: int | None, logprob: float, top: list[tuple[int, float]]) -> None:
+        top = list(top or [])[: self.top_k]
+        self.token[row, 0] = -1 if token is None else int(token)
+        self.token[row, 1] = len(top)
+        self.logprob[row, 0] = float(logprob)
+        for i, (tid, lp) in enumerate(top):
+            self.top_ids[row, i] = int(tid)
+            self.top_logprobs[row, i] = float(lp)
+
+    def read(self, row: int) -> tuple[int | None, float, list[tuple[int, float]]]:
+        token, n = int(self.token[row, 0]), int(self.token[row, 1])
+        top = [(int(self.top_ids[row, i]), float(self.top_logprobs[row, i])) for i in range(n)]
+        return (None if token < 0 else token), float(self.logprob[row, 0]), top
+
+    def clear(self, row: int) -> None:
+        self.token[row] = -1
+
+
+def build_kv_args(runner, aux: FirstTokenAux) -> KVArgs:
+    """KVArgs over the runner's device KV pool plus the first-token aux buffers.
+
+    Raises ValueError naming what is missing for pools PD transfer cannot move yet (sidecar
+    pools, Mamba state) or for a device pool outside host memory (NIXL registers DRAM here).
+    """
+    if getattr(runner, "side_pools", None):
+        kinds = ", ".join(str(getattr(k, "value", k)) for k in runner.side_pools)
+        raise ValueError(f"PD serving moves one KV pool per rank; this model also has sidecar pools ({kinds})")
+    if getattr(runner, "state_pool", None) is not None:
+        raise ValueError("PD serving of models with per-request state (Mamba) is not wired into the scheduler yet")
+    if runner.device.type != "cpu":
+        raise ValueError(f"PD serving registers the KV pool as host memory; --device {runner.device.type} "
+                         "is not supported with --disaggregation-mode yet")
+    total_heads = int(getattr(runner.model_config.hf_config, "num_key_value_heads", 0) or 0)
+    return KVArgs.from_pools(runner.token_to_kv_pool, engine_rank=runner.tp_rank, tp_rank=runner.tp_rank,
+                             tp_size=runner.tp_size, total_kv_head_num=total_heads, aux_buffers=aux.buffers)
+
+
+def page_ids_of(kv_indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Page ids of a request's slots (whole pages from position 0; one id per page)."""
+    return kv_indices[::page_size] // page_size
+
+
+def agreed_polls(states: list[KVPoll]) -> list[KVPoll]:
+    """The same poll results on every TP rank: the minimum over ranks, per request."""
+    if not states:
+        return []
+    from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
+
+    return [KVPoll(v) for v in tensor_model_parallel_cpu_all_reduce_min([int(s) for s in states])]

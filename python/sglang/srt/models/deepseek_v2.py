@@ -1,0 +1,367 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) on the MLA pool, MoE with shared experts.
+
+Attention runs in absorbed (latent) form. Per token the pool caches one "head" of
+``kv_lora_rank + qk_rope_head_dim`` values: the compressed KV after ``kv_a_layernorm``, then the
+rotated ``k_pe``. A query's no-rope part is mapped into the latent space through the K half of
+``kv_b_proj`` (``q_nope @ W_UK``) and concatenated with its rotated ``q_pe``; attention over the
+cached latents is then MQA with key dim ``kv_lora_rank + rope`` and value dim ``kv_lora_rank``
+(the pool's value view is the latent), and each head's latent output is mapped to ``v_head_dim``
+through the V half of ``kv_b_proj``. That equals HF's expanded form (keys ``[latent @ W_UK^T, k_pe]``,
+values ``latent @ W_UV^T``) up to fp32 rounding. The softmax scale is ``qk_head_dim ** -0.5``, times
+``mscale(factor, mscale_all_dim) ** 2`` with YaRN rope scaling (as HF applies it).
+
+Rotary: DeepSeek rotates interleaved feature pairs (HF V2 always, V3 when ``rope_interleave``).
+
+Tensor parallelism: attention heads are sharded (q / q_b / kv_b column-parallel, o_proj
+row-parallel); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated, so the cached latent is the
+same bytes on every rank (the MLA pool is replicated: only TP rank 0 backs it up to L3). MoE layers
+shard each expert's intermediate dim (``layers/moe.py``).
+
+Layers ``i >= first_k_dense_replace`` (and ``i % moe_layer_freq == 0``) are MoE; the others use a
+dense MLP of ``intermediate_size``. Multi-token-prediction layers some checkpoints carry
+(``model.layers.{num_hidden_layers}...``) are not used and skipped on load, as HF does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from sglang.srt.distributed import get_tensor_model_parallel_world_size
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    MIN_GEMM_ROWS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    invariant_linear,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe import DeepseekMoE
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import (
+    RotaryEmbedding,
+    rope_type_of,
+    yarn_factor,
+    yarn_get_mscale,
+)
+from sglang.srt.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from sglang.srt.mem_cache.memory_pool.base import PoolKind
+from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec
+from sglang.srt.models.base import ModelSpec
+from sglang.srt.models.llama import LlamaMLP
+from sglang.srt.models.weight_names import load_named_weights
+
+
+class ReplicatedLinear(nn.Module):
+    """``x @ W^T (+ b)`` with the full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+
+def invariant_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for ``x`` (B, T, K), ``w`` (B, K, N), with T padded to ``MIN_GEMM_ROWS`` so a row's
+    result does not depend on how many rows share the call."""
+    rows = x.shape[1]
+    if 0 < rows < MIN_GEMM_ROWS:
+        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_GEMM_ROWS - rows, x.shape[2])], dim=1)
+    return torch.matmul(x, w)[:, :rows]
+
+
+def mla_softmax_scale(config) -> float:
+    """``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    scaling = config.rope_scaling
+    if rope_type_of(scaling) != "default" and scaling.get("mscale_all_dim"):
+        mscale = yarn_get_mscale(yarn_factor(scaling, config.max_position_embeddings), scaling["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    return scale
+
+
+class DeepseekV2Attention(nn.Module):
+    """MLA in latent form over the MLA pool (see the module docstring)."""
+
+    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        h, bias = config.hidden_size, config.attention_bias
+        self.num_heads = divide(config.num_attention_heads, tp_size, "num_attention_heads")
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        qk_dim = self.nope + self.rope
+        total_heads = config.num_attention_heads
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(h, total_heads * qk_dim)
+        else:
+            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, total_heads * qk_dim)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, total_heads * (self.nope + self.v_dim))
+        self.o_proj = RowParallelLinear(total_heads * self.v_dim, h, bias=bias)
+        self.rotary_emb = rotary_emb
+        self.attn = RadixAttention(
+            self.num_heads, self.kv_lora_rank + self.rope, mla_softmax_scale(config), 1, layer_id,
+            v_head_dim=self.kv_lora_rank,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch) -> torch.Tensor:
+        tokens = hidden_states.shape[0]
+        if self.q_lora_rank is None:
+            q_resid, q = None, self.q_proj(hidden_states)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_resid)
+        q_nope, q_pe = q.view(tokens, self.num_heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(tokens, 1, self.rope))
+
+        w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w_kv[:, : self.nope], w_kv[:, self.nope :]
+        q_latent = invariant_bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (T, H, kv_lora_rank)
+        q_full = torch.cat([q_latent, q_pe], dim=-1)
+        k_full = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # (T, 1, kv_lora_rank + rope)
+        key_positions = self.select_keys(positions, hidden_states, q_resid, forward_batch)
+        out = self.attn(q_full, k_full, None, forward_batch, key_positions=key_positions)  # (T, H * kv_lora_rank)
+        out = out.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1)
+        out = invariant_bmm(out, w_uv.transpose(1, 2)).transpose(0, 1)  # (T, H, v_head_dim)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+    def select_keys(self, positions, hidden_states, q_resid, forward_batch) -> torch.Tensor | None:
+        """The key positions each row attends (T, K), or None for all earlier keys (dense MLA)."""
+        return None
+
+
+def is_moe_layer(config, layer_id: int) -> bool:
+    """``mlp_layer_types[i] == "sparse"`` when the config lists them (V3.2), else MoE from
+    ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
+    kinds = getattr(config, "mlp_layer_types", None)
+    if kinds is not None:
+        return bool(config.n_routed_experts) and kinds[layer_id] == "sparse"
+    return (
+        bool(config.n_routed_experts)
+        and layer_id >= config.first_k_dense_replace
+        and layer_id % config.moe_layer_freq == 0
+    )
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding, attention_cls=DeepseekV2Attention):
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id, rotary_emb)
+        self.mlp = DeepseekMoE(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config, attention_cls=DeepseekV2Attention):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            interleaved=bool(config.rope_interleave),
+        )
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class DeepseekV2ForCausalLM(ModelSpec, nn.Module):
+    hf_required_keys = (
+        *ModelSpec.hf_required_keys, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    )
+    # HF DeepseekV2Config defaults for keys a config.json may omit.
+    hf_config_defaults: ClassVar[dict] = {
+        **ModelSpec.hf_config_defaults,
+        "q_lora_rank": 1536,
+        "first_k_dense_replace": 0,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 1407,
+        "num_experts_per_tok": None,
+        "routed_scaling_factor": 1.0,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "norm_topk_prob": False,
+        "rope_interleave": True,
+    }
+    # Keys a MoE config (n_routed_experts set) must give explicitly.
+    moe_required_keys = ("num_experts_per_tok",)
+    # Keys whose explicit null means something (no q LoRA, no groups, no shared experts), not "default".
+    nullable_keys = ("q_lora_rank", "n_group", "topk_group", "n_shared_experts", "n_routed_experts")
+    attention_cls = DeepseekV2Attention
+    stacked_params_mapping = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+    @classmethod
+    def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
+        hf = super().complete_hf_config(raw, where)
+        hf.update({k: None for k in cls.nullable_keys if k in raw and raw[k] is None})
+        if hf["n_routed_experts"]:
+            missing = [k for k in cls.moe_required_keys if hf.get(k) is None]
+            if missing:
+                raise ValueError(f"{where} lacks required fields {missing} for {cls.__name__} "
+                                 f"(a MoE config: n_routed_experts={hf['n_routed_experts']})")
+        if hf["mlp_bias"]:
+            raise ValueError(f"{where}: mlp_bias=true is not supported for {cls.__name__} (supported: false)")
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_attention_heads"):
+            if not isinstance(hf[key], int) or hf[key] < 1:
+                raise ValueError(f"{where}: {key} must be a positive integer, got {hf[key]!r}")
+        if hf["qk_rope_head_dim"] % 2:
+            raise ValueError(f"{where}: qk_rope_head_dim must be even, got {hf['qk_rope_head_dim']}")
+        if hf["moe_layer_freq"] < 1:
+            raise ValueError(f"{where}: moe_layer_freq must be >= 1, got {hf['moe_layer_freq']}")
+        yarn = rope_type_of(hf["rope_scaling"]) == "yarn"  # (also names an unsupported rope type)
+        if yarn and hf["rope_scaling"].get("original_max_position_embeddings") is None:
+            raise ValueError(f"{where}: rope_scaling type 'yarn' needs original_max_position_embeddings")
+        return hf
+
+    @classmethod
+    def kv_pool_layout(cls, hf, tp_size: int, dtype: torch.dtype) -> KVPoolLayout:
+        """One latent + rope row per token and layer, the same on every TP rank."""
+        args = {"dtype": dtype, "kv_lora_rank": hf.kv_lora_rank, "qk_rope_head_dim": hf.qk_rope_head_dim,
+                "layer_num": hf.num_hidden_layers}
+        return KVPoolLayout(PoolSpec(PoolKind.MLA, args))
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV2Model(config, self.attention_cls)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    @classmethod
+    def attention_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        """One layer's ``self_attn.*`` tensors (names relative to the layer), full shapes."""
+        h, heads = config.hidden_size, config.num_attention_heads
+        qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+        r, rope = config.kv_lora_rank, config.qk_rope_head_dim
+        shapes = {}
+        if config.q_lora_rank is None:
+            shapes["q_proj.weight"] = (heads * qk, h)
+        else:
+            shapes["q_a_proj.weight"] = (config.q_lora_rank, h)
+            shapes["q_a_layernorm.weight"] = (config.q_lora_rank,)
+            shapes["q_b_proj.weight"] = (heads * qk, config.q_lora_rank)
+            if config.attention_bias:
+                shapes["q_a_proj.bias"] = (config.q_lora_rank,)
+        shapes["kv_a_proj_with_mqa.weight"] = (r + rope, h)
+        shapes["kv_a_layernorm.weight"] = (r,)
+        shapes["kv_b_proj.weight"] = (heads * (config.qk_nope_head_dim + config.v_head_dim), r)
+        shapes["o_proj.weight"] = (h, heads * config.v_head_dim)
+        if config.attention_bias:
+            shapes["kv_a_proj_with_mqa.bias"] = (r + rope,)
+            shapes["o_proj.bias"] = (h,)
+        return shapes
+
+    @classmethod
+    def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF checkpoint of this config holds, full (unsharded) shapes."""
+        h = config.hidden_size
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+
+        def mlp(prefix: str, inter: int) -> None:
+            shapes[f"{prefix}gate_proj.weight"] = (inter, h)
+            shapes[f"{prefix}up_proj.weight"] = (inter, h)
+            shapes[f"{prefix}down_proj.weight"] = (h, inter)
+
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for name, shape in cls.attention_weight_shapes(config).items():
+                shapes[f"{p}self_attn.{name}"] = shape
+            if is_moe_layer(config, i):
+                shapes[f"{p}mlp.gate.weight"] = (config.n_routed_experts, h)
+                if config.topk_method == "noaux_tc":
+                    shapes[f"{p}mlp.gate.e_score_correction_bias"] = (config.n_routed_experts,)
+                for e in range(config.n_routed_experts):
+                    mlp(f"{p}mlp.experts.{e}.", config.moe_intermediate_size)
+                if config.n_shared_experts:
+                    mlp(f"{p}mlp.shared_experts.", config.moe_intermediate_size * config.n_shared_experts)
+            else:
+                mlp(f"{p}mlp.", config.intermediate_size)
+            shapes[f"{p}input_layernorm.weight"] = (h,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors (each rank keeps its shard); multi-token-prediction layers
+        past ``num_hidden_layers`` are skipped. ValueError on missing or unexpected names."""
+        n_layers = self.config.num_hidden_layers
+        layer_re = re.compile(r"^model\.layers\.(\d+)\.")
+
+        def used(name: str) -> bool:
+            m = layer_re.match(name)
+            return m is None or int(m.group(1)) < n_layers
+
+        kept = ((n, t) for n, t in weights if used(n))
+        load_named_weights(self, kept, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """V3: sigmoid scores with the ``e_score_correction_bias`` group-limited choice (noaux_tc),
+    normalized top-k weights; optional q LoRA and rope interleave as the config says."""
+
+    hf_config_defaults: ClassVar[dict] = {
+        **DeepseekV2ForCausalLM.hf_config_defaults,
+        "q_lora_rank": 1536,
+        "first_k_dense_replace": 3,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 2048,
+        "num_experts_per_tok": 8,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+    }
+
+
+EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]

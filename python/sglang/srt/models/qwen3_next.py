@@ -1,0 +1,439 @@
+"""Qwen3-Next: Gated DeltaNet linear-attention layers interleaved with gated full attention, MoE MLPs.
+
+Layers follow ``config.layer_types`` (HF derives it from ``full_attention_interval``):
+
+- ``full_attention``: GQA with per-head q/k RMSNorm, partial rotary (``partial_rotary_factor`` of
+  the head dim), and an output gate: q_proj yields ``[q_h, gate_h]`` per head and the attention
+  output is multiplied by ``sigmoid(gate)`` before o_proj. Its K/V live in the MHA pool, which
+  holds only these layers (``RadixAttention`` layer_id = index among the full-attention layers).
+- ``linear_attention``: Gated DeltaNet. ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head),
+  a depthwise causal conv1d (kernel ``linear_conv_kernel_dim``) with SiLU over ``[q, k, v]``, the
+  gated delta rule (``layers/linear_attention.py``), a gated RMSNorm by ``z`` and out_proj. Its
+  per-request state (conv: the last K-1 conv inputs; temporal: (Hv, dk, dv) per layer) lives in
+  the Mamba state pool; ``forward_batch.mamba_slots`` (``StateSlots``) says, per request, which slot
+  to start from and which to write.
+
+RMSNorms are HF's ``(1 + weight)`` form except the gated one. MLPs are the sparse MoE with a
+shared expert (``layers/qwen3_next_moe.py``), or dense on ``mlp_only_layers`` / ``num_experts == 0``.
+Weights use HF names; TP shards attention heads, key/value head groups of the linear layers and the
+expert intermediate dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    divide,
+)
+from sglang.srt.layers.linear_attention import (
+    ZERO_STATE,
+    batch_invariant_map,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.qwen3_next_moe import SparseMoeBlock
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from sglang.srt.mem_cache.memory_pool.base import PoolKind
+from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec, mha_layout
+from sglang.srt.models.base import ModelSpec
+from sglang.srt.models.llama import LlamaMLP
+from sglang.srt.models.weight_names import load_named_weights
+
+FULL, LINEAR = "full_attention", "linear_attention"
+LAYER_TYPES = (FULL, LINEAR)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """HF Qwen3-Next RMSNorm: ``x / rms(x) * (1 + weight)`` in fp32 (weight stored zero-centred)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * x / rms(x) * silu(gate)`` over the last dim (the linear-attention output norm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(x.dtype)
+        return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def full_attention_layers(config) -> list[int]:
+    return [i for i, t in enumerate(config.layer_types) if t == FULL]
+
+
+def linear_attention_layers(config) -> list[int]:
+    return [i for i, t in enumerate(config.layer_types) if t == LINEAR]
+
+
+class Qwen3NextAttention(nn.Module):
+    def __init__(self, config, kv_layer_id: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        d = self.head_dim = config.head_dim
+        # q_proj yields [q, gate] per head: as 2 * num_heads heads of head_dim, sharded by head.
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, 2 * config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = OffsetRMSNorm(d, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(d, config.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.rotary_dim = rotary_emb.head_dim
+        self.attn = RadixAttention(self.num_heads, d, d**-0.5, self.num_kv_heads, kv_layer_id)
+
+    def _rope(self, positions, q, k):
+        r = self.rotary_dim
+        q_rot, k_rot = self.rotary_emb(positions, q[..., :r], k[..., :r])
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+    def forward(self, positions, hidden_states, forward_batch) -> torch.Tensor:
+        d, h, hk = self.head_dim, self.num_heads, self.num_kv_heads
+        qg, k, v = self.qkv_proj(hidden_states).split([2 * h * d, hk * d, hk * d], dim=-1)
+        q, gate = qg.reshape(-1, h, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.reshape(-1, hk, d))
+        q, k = self._rope(positions, q, k)
+        out = self.attn(q, k, v.reshape(-1, hk, d), forward_batch)
+        out = out * torch.sigmoid(gate.reshape(out.shape[0], -1))
+        return self.o_proj(out)
+
+
+class ConvWeight(nn.Module):
+    """The depthwise conv1d weight (HF ``(conv_dim, 1, K)``) keeping this rank's q, k and v channels."""
+
+    def __init__(self, key_dim: int, value_dim: int, kernel: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.key_dim, self.value_dim, self.tp_rank, self.tp_size = key_dim, value_dim, tp_rank, tp_size
+        local = (2 * key_dim + value_dim) // tp_size
+        self.weight = nn.Parameter(torch.empty(local, 1, kernel), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        kd, vd, r = self.key_dim // self.tp_size, self.value_dim // self.tp_size, self.tp_rank
+        parts = [loaded_weight.narrow(0, r * kd, kd), loaded_weight.narrow(0, self.key_dim + r * kd, kd),
+                 loaded_weight.narrow(0, 2 * self.key_dim + r * vd, vd)]
+        shard = torch.cat(parts)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"conv1d: checkpoint shard has shape {tuple(shard.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(shard)
+
+
+def _head_sharded(n: int, tp_rank: int, tp_size: int) -> nn.Parameter:
+    """A per-value-head vector (A_log, dt_bias), this rank's heads."""
+    local = n // tp_size
+    param = nn.Parameter(torch.empty(local), requires_grad=False)
+
+    def loader(p, loaded_weight, shard_id=None):
+        shard = loaded_weight.narrow(0, tp_rank * local, local)
+        if tuple(shard.shape) != tuple(p.shape):
+            raise ValueError(f"head vector: checkpoint shard has shape {tuple(shard.shape)}, expected {tuple(p.shape)}")
+        p.data.copy_(shard)
+
+    param.weight_loader = loader
+    return param
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, state_layer_id: int):
+        super().__init__()
+        self.state_layer_id = state_layer_id  # index among the linear-attention layers (state pool layer)
+        self.in_proj_qkvz = ColumnParallelLinear(config.hidden_size, 2 * config.linear_key_dim + 2 * config.linear_value_dim)
+        self.in_proj_ba = ColumnParallelLinear(config.hidden_size, 2 * config.linear_num_value_heads)
+        tp_rank, tp_size = self.in_proj_qkvz.tp_rank, self.in_proj_qkvz.tp_size
+        self.nk = divide(config.linear_num_key_heads, tp_size, "linear_num_key_heads")
+        self.nv = divide(config.linear_num_value_heads, tp_size, "linear_num_value_heads")
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.conv1d = ConvWeight(config.linear_key_dim, config.linear_value_dim, config.linear_conv_kernel_dim,
+                                 tp_rank, tp_size)
+        self.A_log = _head_sharded(config.linear_num_value_heads, tp_rank, tp_size)
+        self.dt_bias = _head_sharded(config.linear_num_value_heads, tp_rank, tp_size)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(config.linear_value_dim, config.hidden_size)
+
+    def _split(self, hidden_states):
+        """(mixed q|k|v (N, conv channels), z (N, nv, dv), b (N, nv), a (N, nv)) from the projections."""
+        n, nk, r, dk, dv = hidden_states.shape[0], self.nk, self.nv // self.nk, self.dk, self.dv
+        qkvz = self.in_proj_qkvz(hidden_states).reshape(n, nk, 2 * dk + 2 * r * dv)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(hidden_states).reshape(n, nk, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, self.nv, dv), b.reshape(n, self.nv), a.reshape(n, self.nv)
+
+    def _qkv(self, mixed):
+        n = mixed.shape[0]
+        kd = self.nk * self.dk
+        q, k, v = mixed.split([kd, kd, self.nv * self.dv], dim=-1)
+        return q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk), v.reshape(n, self.nv, self.dv)
+
+    def forward(self, positions, hidden_states, forward_batch) -> torch.Tensor:
+        pool, slots = forward_batch.state_pool, forward_batch.mamba_slots
+        if pool is None or slots is None:
+            raise ValueError("a linear-attention layer needs forward_batch.state_pool and forward_batch.mamba_slots")
+        m = self.state_layer_id
+        mixed, z, b, a = self._split(hidden_states)
+        beta = batch_invariant_map(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * batch_invariant_map(F.softplus, a.float() + self.dt_bias)
+        conv_w = self.conv1d.weight[:, 0, :]
+        conv_buf, ssm_buf = pool.layer_view("conv_0", m), pool.layer_view("temporal", m)
+        dst = torch.tensor(slots.dst, dtype=torch.int64, device=conv_buf.device)
+        if forward_batch.forward_mode.is_decode():
+            if min(slots.src) < 1:
+                raise ValueError(f"decode continues a state: source slots must be >= 1, got {list(slots.src)}")
+            src = torch.tensor(slots.src, dtype=torch.int64, device=conv_buf.device)
+            x, conv_state = causal_conv1d(mixed.unsqueeze(-1), conv_w, conv_buf[src])
+            q, k, v = self._qkv(F.silu(x[..., 0]))
+            out, ssm_state = recurrent_gated_delta_rule(q, k, v, g, beta, ssm_buf[src])
+            pool.write_layer("conv_0", m, dst, conv_state)
+            pool.write_layer("temporal", m, dst, ssm_state)
+        else:
+            outs, conv_states, ssm_states, start = [], [], [], 0
+            for src, n in zip(slots.src, forward_batch.extend_seq_lens_cpu):
+                rows = slice(start, start + n)
+                start += n
+                conv_in = None if src == ZERO_STATE else conv_buf[src]
+                ssm_in = None if src == ZERO_STATE else ssm_buf[src]
+                x, conv_state = causal_conv1d(mixed[rows].transpose(0, 1), conv_w, conv_in)
+                q, k, v = self._qkv(F.silu(x).transpose(0, 1))
+                out, ssm_state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], ssm_in)
+                outs.append(out)
+                conv_states.append(conv_state)
+                ssm_states.append(ssm_state)
+            out = torch.cat(outs)
+            pool.write_layer("conv_0", m, dst, torch.stack(conv_states))
+            pool.write_layer("temporal", m, dst, torch.stack(ssm_states))
+        out = self.norm(out.to(hidden_states.dtype), z)
+        return self.out_proj(out.reshape(out.shape[0], -1))
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding, pool_layer_id: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_id]
+        if self.layer_type == FULL:
+            self.self_attn = Qwen3NextAttention(config, pool_layer_id, rotary_emb)
+        else:
+            self.linear_attn = GatedDeltaNet(config, pool_layer_id)
+        sparse = (layer_id not in config.mlp_only_layers and config.num_experts > 0
+                  and (layer_id + 1) % config.decoder_sparse_step == 0)
+        if sparse:
+            self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                                      config.moe_intermediate_size, config.shared_expert_intermediate_size,
+                                      config.norm_topk_prob)
+        else:
+            self.mlp = LlamaMLP(config)
+        self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
+        hidden_states = mixer(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                     config.rope_scaling)
+        full, linear = full_attention_layers(config), linear_attention_layers(config)
+        pool_ids = {i: (full.index(i) if i in full else linear.index(i)) for i in range(config.num_hidden_layers)}
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, i, rotary_emb, pool_ids[i]) for i in range(config.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class Qwen3NextForCausalLM(ModelSpec, nn.Module):
+    hf_required_keys = ModelSpec.hf_required_keys + ("num_key_value_heads",)
+    hf_config_defaults: ClassVar[dict] = {
+        **ModelSpec.hf_config_defaults,
+        "head_dim": 256,
+        "partial_rotary_factor": 0.25,
+        "full_attention_interval": 4,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts_per_tok": 10,
+        "num_experts": 512,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [],
+        "layer_types": None,
+    }
+    # (fused parameter, HF projection, shard id); q_proj holds [q, gate] per head.
+    stacked_params_mapping = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    @classmethod
+    def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
+        hf = super().complete_hf_config(raw, where)
+        rope = raw.get("rope_parameters")
+        if isinstance(rope, dict) and "partial_rotary_factor" in rope and "partial_rotary_factor" not in raw:
+            hf["partial_rotary_factor"] = rope["partial_rotary_factor"]
+        n = hf["num_hidden_layers"]
+        if hf["layer_types"] is None:
+            every = hf["full_attention_interval"]
+            if not isinstance(every, int) or every < 1:
+                raise ValueError(f"{where}: full_attention_interval must be a positive int, got {every!r}")
+            hf["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
+        types = list(hf["layer_types"])
+        if len(types) != n or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(f"{where}: layer_types must list {n} entries from {list(LAYER_TYPES)}, got {types}")
+        if FULL not in types:
+            raise ValueError(f"{where}: layer_types has no {FULL!r} layer; the KV pool (the tree's anchor) needs one")
+        hf["layer_types"] = types
+        if hf["linear_num_value_heads"] % hf["linear_num_key_heads"]:
+            raise ValueError(f"{where}: linear_num_value_heads ({hf['linear_num_value_heads']}) must be a multiple "
+                             f"of linear_num_key_heads ({hf['linear_num_key_heads']})")
+        rotary = int(hf["head_dim"] * hf["partial_rotary_factor"])
+        if rotary < 2 or rotary % 2:
+            raise ValueError(f"{where}: head_dim * partial_rotary_factor must be an even number >= 2, got {rotary}")
+        hf["linear_key_dim"] = hf["linear_key_head_dim"] * hf["linear_num_key_heads"]
+        hf["linear_value_dim"] = hf["linear_value_head_dim"] * hf["linear_num_value_heads"]
+        hf["mlp_only_layers"] = list(hf["mlp_only_layers"] or [])
+        return hf
+
+    @classmethod
+    def kv_pool_layout(cls, hf, tp_size: int, dtype: torch.dtype) -> KVPoolLayout:
+        """MHA K/V for the full-attention layers; a Mamba state per request for the linear ones
+        (this rank's key/value head groups: conv (q|k|v channels, K - 1), temporal (Hv, dk, dv) fp32)."""
+        heads = max(1, hf.num_key_value_heads // tp_size)
+        anchor = mha_layout(dtype, len(full_attention_layers(hf)), heads, hf.head_dim).anchor
+        linear = linear_attention_layers(hf)
+        if not linear:
+            return KVPoolLayout(anchor)
+        nk = divide(hf.linear_num_key_heads, tp_size, "linear_num_key_heads")
+        nv = divide(hf.linear_num_value_heads, tp_size, "linear_num_value_heads")
+        conv_channels = 2 * nk * hf.linear_key_head_dim + nv * hf.linear_value_head_dim
+        state = PoolSpec(PoolKind.MAMBA, {
+            "conv_state_shapes": [(conv_channels, hf.linear_conv_kernel_dim - 1)],
+            "temporal_state_shape": (nv, hf.linear_key_head_dim, hf.linear_value_head_dim),
+            "num_mamba_layers": len(linear), "conv_dtype": dtype, "ssm_dtype": torch.float32,
+        })
+        return KVPoolLayout(anchor, state=state)
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3NextModel(config)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    @classmethod
+    def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF Qwen3-Next checkpoint of this config holds (full shapes; MTP excluded)."""
+        h, d = config.hidden_size, config.head_dim
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        kd, vd, nv = config.linear_key_dim, config.linear_value_dim, config.linear_num_value_heads
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, h)
+
+        def mlp(prefix: str, inter: int) -> None:
+            shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
+            shapes[f"{prefix}.up_proj.weight"] = (inter, h)
+            shapes[f"{prefix}.down_proj.weight"] = (h, inter)
+
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            if config.layer_types[i] == FULL:
+                attn = {"q_proj": (2 * q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+                for name, shape in attn.items():
+                    shapes[f"{p}self_attn.{name}.weight"] = shape
+                    if config.attention_bias:
+                        shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
+                shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+                shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+            else:
+                la = f"{p}linear_attn."
+                shapes[f"{la}in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
+                shapes[f"{la}in_proj_ba.weight"] = (2 * nv, h)
+                shapes[f"{la}conv1d.weight"] = (2 * kd + vd, 1, config.linear_conv_kernel_dim)
+                shapes[f"{la}A_log"] = (nv,)
+                shapes[f"{la}dt_bias"] = (nv,)
+                shapes[f"{la}norm.weight"] = (config.linear_value_head_dim,)
+                shapes[f"{la}out_proj.weight"] = (h, vd)
+            sparse = (i not in config.mlp_only_layers and config.num_experts > 0
+                      and (i + 1) % config.decoder_sparse_step == 0)
+            if sparse:
+                shapes[f"{p}mlp.gate.weight"] = (config.num_experts, h)
+                for e in range(config.num_experts):
+                    mlp(f"{p}mlp.experts.{e}", config.moe_intermediate_size)
+                if config.shared_expert_intermediate_size > 0:
+                    mlp(f"{p}mlp.shared_expert", config.shared_expert_intermediate_size)
+                    shapes[f"{p}mlp.shared_expert_gate.weight"] = (1, h)
+            else:
+                mlp(f"{p}mlp", config.intermediate_size)
+            shapes[f"{p}input_layernorm.weight"] = (h,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HF-named full tensors (each rank keeps its shard); ``mtp.*`` (multi-token prediction)
+        tensors are skipped. ValueError on missing or unexpected names."""
+        weights = ((n, t) for n, t in weights if not n.startswith("mtp."))
+        load_named_weights(self, weights, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+
+
+EntryClass = Qwen3NextForCausalLM
