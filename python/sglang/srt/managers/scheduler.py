@@ -229,6 +229,18 @@ class Scheduler:
         self.tree_cache.flush_backups()
         self.tree_cache.cache_controller.flush_writes()
 
+    def _ack_finished_writes(self) -> bool:
+        """Consume host writes that finished since the step began (they hold their nodes locked,
+        so unevictable); True when that unlocked any. Without it, a write that lands while this
+        step is being planned keeps its memory from the waiting requests for a whole step (a
+        tight device pool then admitted 1-2 requests per prefill where HiCache off admits 3).
+        Every TP rank reaches this at the same point: admission decisions are agreed."""
+        if not self.hicache or not self.tree_cache.ongoing_write_through:
+            return False
+        before = len(self.tree_cache.ongoing_write_through)
+        self.tree_cache.check_hicache_events()
+        return len(self.tree_cache.ongoing_write_through) < before
+
     def _waiting_on_host_writes(self) -> bool:
         """Requests wait while device->host writes hold nodes locked (same on every TP rank)."""
         return bool(self.waiting) and self.hicache and bool(self.tree_cache.ongoing_write_through)
@@ -252,6 +264,8 @@ class Scheduler:
         while self.waiting:
             req = self.waiting.popleft()
             result = adder.try_add(req)
+            if result is AddResult.NO_MEMORY and self._ack_finished_writes():
+                result = adder.try_add(req)  # acknowledged host writes unlocked evictable memory
             if result is AddResult.ADDED:
                 self.stats.on_admitted(req)
                 continue
