@@ -4,6 +4,7 @@ from sglang.srt.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_cpu_all_reduce_min,
+    tensor_model_parallel_cpu_gather_objects,
 )
 from sglang.srt.distributed.parallel_state import (
     GroupCoordinator,
@@ -26,4 +27,5 @@ __all__ = [
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_cpu_all_reduce_min",
+    "tensor_model_parallel_cpu_gather_objects",
 ]

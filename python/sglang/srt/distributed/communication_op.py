@@ -35,3 +35,13 @@ def tensor_model_parallel_cpu_all_reduce_min(values: list[int]) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
     return t.tolist()
+
+
+def tensor_model_parallel_cpu_gather_objects(obj) -> list:
+    """Every TP rank's ``obj`` (picklable), in rank order, on every rank (gloo group)."""
+    group = get_tp_group()
+    if group.world_size == 1:
+        return [obj]
+    out = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out

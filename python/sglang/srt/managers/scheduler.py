@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from sglang.srt.disaggregation.scheduler_glue import build_disaggregation
+from sglang.srt.distributed import tensor_model_parallel_cpu_gather_objects
 from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -176,6 +177,9 @@ class Scheduler:
     def handle_control(self, msg: ControlReq) -> ControlOutput:
         if msg.kind is ControlKind.GET_STATS:
             payload = self.stats.snapshot(self)
+            # every rank's own L3 counters (e.g. MLA: rank 0 writes, the others skip); every
+            # rank handles this message at the same point, so the gather is collective
+            payload["storage_per_rank"] = tensor_model_parallel_cpu_gather_objects(payload["storage"])
             if self.disagg is not None:
                 payload["disaggregation"] = self.disagg.info()
             return ControlOutput(msg.cid, True, payload=payload)
