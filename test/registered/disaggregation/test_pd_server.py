@@ -101,6 +101,19 @@ def test_multi_turn_workload_is_token_identical(cluster):
     assert prefill["counters"]["cached_tokens"]["device"] > 0  # later turns hit the prefill tree
 
 
+def test_seeded_sampling_is_identical(cluster):
+    """With a sampling seed, temperature sampling through PD draws the same tokens as a plain
+    server: prefill samples the first token at step 0, decode continues from step 1."""
+    body = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 16, "temperature": 0.9, "top_p": 0.95,
+                                                     "sampling_seed": 1234, "ignore_eos": True}}
+    want = cluster["single"].post("/generate", body).json()["output_ids"]
+    got = requests.post(cluster["router"].url + "/generate", json=body, timeout=120).json()["output_ids"]
+    assert got == want
+    greedy = cluster["single"].post("/generate", {**body, "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}).json()["output_ids"]
+    assert got != greedy  # the seed really sampled
+
+
 def test_burst_beyond_decode_memory_queues_and_matches(cluster):
     """16 concurrent requests needing ~2.6x the decode pool (4096 tokens): decode admits them
     from its pre-allocation queue as memory frees up (prompt + all decode pages reserved up

@@ -56,25 +56,49 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, attention_cls, rotary_emb: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = attention_cls(config, layer_id, rotary_emb)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+class PreNormDecoderLayer(nn.Module):
+    """``h + mixer(norm(h))`` then ``+ mlp(norm(.))``, the residual carried through the fused
+    add-and-norm of ``input_layernorm`` / ``post_attention_layernorm``. A subclass sets those two
+    norms, ``mlp`` and ``self_attn`` (or overrides ``token_mixer``)."""
+
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.self_attn
 
     def forward(self, positions, hidden_states, forward_batch, residual):
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.token_mixer(positions, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    """``attention_cls(config, layer_id, rotary_emb)``, then ``mlp`` (default: the dense ``LlamaMLP``)."""
+
+    def __init__(self, config, layer_id: int, attention_cls, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None):
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_id, rotary_emb)
+        self.mlp = LlamaMLP(config) if mlp is None else mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """``embed_tokens`` -> ``layers`` (each ``(positions, h, forward_batch, residual) -> (h, residual)``)
+    -> final ``norm``; a subclass builds the three."""
+
+    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaModel(DecoderModel):
     def __init__(self, config, attention_cls=LlamaAttention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -86,15 +110,57 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+
+class CausalLM(nn.Module):
+    """The shell every causal LM shares: ``model`` (hidden states), the LM head (the embedding
+    when ``tie_word_embeddings``) registered as ``lm_head_name`` (its checkpoint name), logits."""
+
+    lm_head_name = "lm_head"
+
+    def __init__(self, config, model: nn.Module):
+        super().__init__()
+        self.config = config
+        self.model = model
+        tied = config.tie_word_embeddings
+        head = model.embed_tokens if tied else ParallelLMHead(config.vocab_size, config.hidden_size)
+        setattr(self, self.lm_head_name, head)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, getattr(self, self.lm_head_name), forward_batch)
+
+    @classmethod
+    def outer_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
+        """The embedding, final norm and (untied) LM head tensors, full shapes."""
+        h = config.hidden_size
+        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes[f"{cls.lm_head_name}.weight"] = (config.vocab_size, h)
+        return shapes
+
+    def skip_weight(self, name: str) -> bool:
+        """Checkpoint tensors the model does not use (e.g. multi-token-prediction layers)."""
+        return False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named full tensors (each rank keeps its shard), less ``skip_weight`` ones.
+        Raises ValueError on missing, unexpected or mis-shaped names."""
+        kept = ((n, t) for n, t in weights if not self.skip_weight(n))
+        load_named_weights(self, kept, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
 
 
-class LlamaForCausalLM(ModelSpec, nn.Module):
+def gated_mlp_shapes(prefix: str, hidden: int, inter: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """``{prefix}{gate,up,down}_proj.weight`` (and ``.bias``) of a gated MLP, full shapes."""
+    shapes = {}
+    for name, shape in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
+        shapes[f"{prefix}{name}.weight"] = shape
+        if bias:
+            shapes[f"{prefix}{name}.bias"] = shape[:1]
+    return shapes
+
+
+class LlamaForCausalLM(ModelSpec, CausalLM):
     attention_cls = LlamaAttention
     # (fused parameter, HF projection, shard id)
     stacked_params_mapping = (
@@ -106,47 +172,25 @@ class LlamaForCausalLM(ModelSpec, nn.Module):
     )
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.attention_cls)
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        super().__init__(config, LlamaModel(config, self.attention_cls))
 
     @classmethod
     def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, full (unsharded) shapes."""
         h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
         q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes = cls.outer_weight_shapes(config)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             attn = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-            mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
             for name, shape in attn.items():
                 shapes[f"{p}self_attn.{name}.weight"] = shape
                 if config.attention_bias:
                     shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
-            for name, shape in mlp.items():
-                shapes[f"{p}mlp.{name}.weight"] = shape
-                if config.mlp_bias:
-                    shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+            shapes.update(gated_mlp_shapes(f"{p}mlp.", h, inter, config.mlp_bias))
             shapes[f"{p}input_layernorm.weight"] = (h,)
             shapes[f"{p}post_attention_layernorm.weight"] = (h,)
         return shapes
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (each rank keeps its shard). Raises ValueError on missing
-        or unexpected names."""
-        load_named_weights(self, weights, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
 
 
 EntryClass = LlamaForCausalLM
