@@ -180,8 +180,17 @@ def test_prefill_killed_mid_request(cluster):
     client.join(ERROR_BOUND_S + 40)
     assert client.elapsed is not None and client.elapsed < ERROR_BOUND_S, "the client hung"
     assert client.status != 200, client.text
-    pd = assert_settled_clean(cluster["decode2"], failed_before + 1)
-    assert pd["pd_prealloc_queue"] == pd["pd_transfer_queue"] == 0
+    # the failed request's pages stay quarantined for the heartbeat death time (TIMEOUT_S): a
+    # write prefill had posted could still land in them; the client got its error already
+    decode = cluster["decode2"]
+    held = scheduler_info(decode)
+    assert held["disaggregation"]["pd_quarantined"] == 1
+    wait_for(lambda: scheduler_info(decode)["disaggregation"]["pd_quarantined"] == 0, "the quarantine to end",
+             timeout=TIMEOUT_S + 10)
+    idle_checks = held["counters"]["num_idle_checks"]  # then the freed pages pass a new integrity check
+    wait_for(lambda: scheduler_info(decode)["counters"]["num_idle_checks"] > idle_checks, "an idle check")
+    pd = assert_settled_clean(decode, failed_before + 1)
+    assert pd["pd_prealloc_queue"] == pd["pd_transfer_queue"] == pd["pd_quarantined"] == 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ than its working set (``SMALL_DEVICE``), against a reference server whose pool h
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import torch
 from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
@@ -28,8 +29,9 @@ REFERENCE = ["--max-total-tokens", "16384"]
 WORKLOAD = {"clients": 4, "rounds": 3}
 
 
-def file_l3_flags(storage_dir: str) -> list[str]:
-    return ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+def file_l3_flags(storage_dir: str, backend: str = "file") -> list[str]:
+    """The L3 flags (``backend`` over ``storage_dir``, prefetch waits for every page)."""
+    return ["--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy", "wait_complete",
             "--hicache-storage-backend-extra-config", json.dumps({"storage_dir": storage_dir, "prefetch_threshold": 4})]
 
 
@@ -39,9 +41,11 @@ def run_reference(model: str, *flags: str):
 
 
 def check_host_then_storage(model: str, reference, storage_dir: str, *flags: str, restart: bool = False,
-                            logprob_tol: float = 0.0, log_words: tuple[str, ...] = ()) -> None:
+                            logprob_tol: float = 0.0, log_words: tuple[str, ...] = (),
+                            check_server: Callable | None = None) -> None:
     """Pass 1 with host hits and L3 writes; pass 2 (after /flush_cache, or on a fresh server when
-    ``restart``) with storage hits; both equal ``reference``; idle integrity checks passed."""
+    ``restart``) with storage hits; both equal ``reference`` (same prompts too); idle integrity
+    checks passed. ``check_server(srv)`` runs on the first server before its workload."""
     all_flags = [*COMMON, *SMALL_DEVICE, *flags, *file_l3_flags(storage_dir)]
 
     def second_pass(srv) -> None:
@@ -55,7 +59,10 @@ def check_host_then_storage(model: str, reference, storage_dir: str, *flags: str
         log = srv.log_tail(400)
         for word in log_words:
             assert word in log, (word, log[-2000:])
+        if check_server is not None:
+            check_server(srv)
         first = run_workload(srv, **WORKLOAD)
+        assert [t.prompt for t in first] == [t.prompt for t in reference]
         assert_same_tokens(reference, first, logprob_tol)
         assert tier_totals(first)["host"] > 0, tier_totals(first)
         assert wait_backed_up(srv) > 0
@@ -68,7 +75,19 @@ def check_host_then_storage(model: str, reference, storage_dir: str, *flags: str
             second_pass(srv)
 
 
+def run_checked(model: str, reference, *flags: str, logprob_tol: float = 0.0, workload: dict | None = None):
+    """The workload (``WORKLOAD`` unless given) on a server started with ``flags``: the idle
+    integrity check passed and the turns equal ``reference``'s. Returns the turns."""
+    with launch_server_process(model, *flags) as srv:
+        turns = run_workload(srv, **(workload or WORKLOAD))
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+    assert_same_tokens(reference, turns, logprob_tol)
+    return turns
+
+
 def assert_equal_hf_generate(model: str, turns, min_prompt_len: int = 0) -> None:
+    """Each turn's output equals HF greedy ``generate`` on its prompt (EOS not special: the
+    workload's requests ignore it)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
@@ -77,13 +96,15 @@ def assert_equal_hf_generate(model: str, turns, min_prompt_len: int = 0) -> None
         for turn in turns:
             n = len(turn.output_ids)
             out = hf.generate(torch.tensor([turn.prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                              pad_token_id=0)
+                              pad_token_id=0, eos_token_id=None)
             assert out[0, len(turn.prompt):].tolist() == turn.output_ids, f"client {turn.client} round {turn.round}"
 
 
-def assert_cell_refused(model: str, kind, layout: str, io_backend: str, *words: str) -> None:
-    proc = run_launcher(model, *COMMON, *SMALL_DEVICE, "--hicache-mem-layout", layout, "--hicache-io-backend",
-                        io_backend)
+def assert_cell_refused(model: str, kind, layout: str, io_backend: str, *words: str,
+                        flags: tuple[str, ...] = (*COMMON, *SMALL_DEVICE)) -> None:
+    """Start-up with ``flags`` and this cell exits 1 naming the layout, the pool kind, ``words``
+    and every cell ``kind`` supports."""
+    proc = run_launcher(model, *flags, "--hicache-mem-layout", layout, "--hicache-io-backend", io_backend)
     assert proc.returncode == 1, proc.stderr[-2000:]
     cells = [f"{lay}+{io}" for lay, io in supported_cells(kind)]
     for word in (layout, kind.value, *words, *cells):

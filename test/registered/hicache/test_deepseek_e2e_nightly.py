@@ -17,11 +17,17 @@ import json
 import os
 
 import pytest
-from hicache_workload import assert_same_tokens, tier_totals
+from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from model_e2e import (
+    COMMON,
+    WORKLOAD,
+    assert_equal_hf_generate,
+    check_host_then_storage,
+    run_reference,
+)
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
-from test_deepseek_e2e import COMMON, assert_matches_hf, run_conversations
 from test_hicache_storage import storage_flags, wait_backed_up
 
 register_cpu_ci(est_time=90, suite="nightly-cpu")
@@ -43,10 +49,9 @@ def storage_stats(server) -> dict:
 def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
     pytest.importorskip("nixl")
     model, store = models[arch], str(tmp_path / "nixl")
-    with launch_server_process(model, *COMMON, "--max-total-tokens", "16384") as srv:
-        ref, ref_prompts = run_conversations(srv)
+    ref = run_reference(model)
     with launch_server_process(model, *storage_flags("nixl", store), "--tp-size", "2") as srv:
-        tp2, _ = run_conversations(srv)
+        tp2 = run_workload(srv, **WORKLOAD)
         written = wait_backed_up(srv)
         stats = storage_stats(srv)
     assert_same_tokens(ref, tp2, logprob_tol=TP_LOGPROB_TOL)
@@ -65,12 +70,12 @@ def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
     assert by_suffix == want, (by_suffix, written)
 
     with launch_server_process(model, *storage_flags("nixl", store)) as srv:  # TP=1, empty device and host
-        tp1, _ = run_conversations(srv)
+        tp1 = run_workload(srv, **WORKLOAD)
         read = storage_stats(srv)
     assert_same_tokens(ref, tp1, logprob_tol=TP_LOGPROB_TOL)
     assert tier_totals(tp1)["storage"] > 0, tier_totals(tp1)
     assert read.get("pages_hit", 0) > 0, read
-    assert_matches_hf(model, ref, ref_prompts)
+    assert_equal_hf_generate(model, ref)
 
 
 @pytest.mark.parametrize("layout, io_backend", [
@@ -81,21 +86,11 @@ def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
 def test_hicache_cells_with_file_l3(models, tmp_path, layout, io_backend, arch):
     model = models[arch]
-    with launch_server_process(model, *COMMON, "--max-total-tokens", "16384") as srv:
-        ref, ref_prompts = run_conversations(srv)
-    flags = [*storage_flags("file", str(tmp_path / "l3")), "--hicache-mem-layout", layout,
-             "--hicache-io-backend", io_backend]
-    with launch_server_process(model, *flags) as srv:
-        first, _ = run_conversations(srv)
-        assert_same_tokens(ref, first)
-        assert tier_totals(first)["host"] > 0, tier_totals(first)
-        assert wait_backed_up(srv) > 0
-        assert srv.post("/flush_cache").status_code == 200
-        again, _ = run_conversations(srv)
-    assert_same_tokens(ref, again)
-    assert tier_totals(again)["storage"] > 0, tier_totals(again)
+    ref = run_reference(model)
+    check_host_then_storage(model, ref, str(tmp_path / "l3"), "--hicache-mem-layout", layout,
+                            "--hicache-io-backend", io_backend)
     if layout == "layer_first":
-        assert_matches_hf(model, ref, ref_prompts)
+        assert_equal_hf_generate(model, ref)
 
 
 def test_config_missing_required_key_stops_startup(models, tmp_path):

@@ -17,37 +17,23 @@ page_first + direct, is rewritten to page_first_direct by server_args before the
 """
 
 import pytest
-import torch
 from hicache_workload import tier_totals
 from model_e2e import assert_cell_refused, assert_equal_hf_generate, check_host_then_storage, run_reference
 
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
+from sglang.test.hf_reference import DSV4_ZERO_INITS, randomize_zero_inits
 
 transformers = pytest.importorskip("transformers")
 
 register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 
-def randomize_zero_inits(path: str, seed: int = 1) -> None:
-    """Give the tensors HF initializes to zeros (position biases, sinks, mHC bases, router bias,
-    hash table) values that matter, and save in place."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, model.config.n_routed_experts, tensor.shape, generator=gen))
-            elif name.endswith(("position_bias", "sinks", "e_score_correction_bias", "hc.base", "hc_base")):
-                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=gen))
-    model.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("v4")), "deepseek_v4", "--layers", "4")
-    randomize_zero_inits(path)
+    randomize_zero_inits(path, DSV4_ZERO_INITS)
     return path
 
 

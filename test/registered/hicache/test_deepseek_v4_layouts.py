@@ -15,31 +15,21 @@ import glob
 import os
 
 import pytest
+import test_deepseek_v4_e2e as e2e
 from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
-from model_e2e import WORKLOAD, check_host_then_storage, run_reference
-from test_deepseek_v4_e2e import randomize_zero_inits
+from model_e2e import WORKLOAD, check_host_then_storage
 from test_hicache_storage import storage_flags as backend_flags
 from test_hicache_storage import wait_backed_up
 
 from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
 register_cpu_ci(est_time=150, suite="nightly-cpu")
 
 
-@pytest.fixture(scope="module")
-def v4(tmp_path_factory):
-    path = make_tiny_model(str(tmp_path_factory.mktemp("v4")), "deepseek_v4", "--layers", "4")
-    randomize_zero_inits(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(v4):
-    return run_reference(v4)
+v4, reference = e2e.v4, e2e.reference  # fixtures: the tiny checkpoint, the reference run
 
 
 @pytest.mark.parametrize("layout, io_backend", supported_cells(PoolKind.DSV4_STATE))

@@ -15,14 +15,10 @@ linear, full; Gated DeltaNet + MoE with a shared expert). A multi-turn workload 
   (both Mamba pools included) passes.
 
 A HiCache cell the Mamba pool does not support stops the server at start-up, naming the pool and
-its supported cells.
+its supported cells. (HF agreement and the refusal are the shared checks of ``model_e2e.py``.)
 """
 
-import json
-import random
-
 import pytest
-import torch
 from hicache_workload import (
     GREEDY,
     assert_same_tokens,
@@ -30,11 +26,12 @@ from hicache_workload import (
     tier_totals,
     wait_idle_check,
 )
+from model_e2e import assert_cell_refused, assert_equal_hf_generate, file_l3_flags
 from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
-from sglang.test.server_utils import launch_server_process, run_launcher
+from sglang.test.server_utils import launch_server_process
 from test_hicache_storage import wait_backed_up
 
 register_cpu_ci(est_time=30, suite="per-commit-cpu")
@@ -43,7 +40,6 @@ LOGPROB_TOL = 1e-4
 COMMON = ["--context-length", "2048", "--chunked-prefill-size", "64"]
 SMALL_DEVICE = ["--page-size", "4", "--max-total-tokens", "256", "--enable-hierarchical-cache", "--hicache-ratio", "16"]
 WORKLOAD = {"clients": 3, "rounds": 3}
-SYSTEM_LEN, QUESTION_LEN = 48, 40  # run_workload's defaults
 
 
 @pytest.fixture(scope="module")
@@ -60,31 +56,14 @@ def reference(qwen3_next):
         yield turns
 
 
-def workload_prompts(turns, clients: int, rounds: int, seed: int = 0) -> list[list[int]]:
-    """Each turn's prompt in ``run_workload`` (same seed and lengths), rebuilt from its outputs."""
-    rng = random.Random(seed)
-    system = [rng.randrange(3, 999) for _ in range(SYSTEM_LEN)]
-    questions = [[[rng.randrange(3, 999) for _ in range(QUESTION_LEN)] for _ in range(clients)] for _ in range(rounds)]
-    history, prompts = [list(system) for _ in range(clients)], []
-    for t in turns:
-        prompts.append(history[t.client] + questions[t.round][t.client])
-        history[t.client] = prompts[-1] + t.output_ids
-    return prompts
-
-
-def storage_flags(storage_dir: str, backend: str = "file") -> list[str]:
-    return ["--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend-extra-config", json.dumps({"storage_dir": storage_dir, "prefetch_threshold": 4})]
-
-
 def run_later_rounds(srv, reference) -> int:
     """Send the prompts of rounds > 0 directly (each one's history ends where an earlier turn left a
     state); outputs must equal the reference's. Returns the prompt tokens served from storage."""
     storage = 0
-    for prompt, ref in zip(workload_prompts(reference, **WORKLOAD), reference, strict=True):
+    for ref in reference:
         if ref.round == 0:
             continue
-        out = srv.generate(input_ids=prompt, sampling_params={"max_new_tokens": len(ref.output_ids), **GREEDY},
+        out = srv.generate(input_ids=ref.prompt, sampling_params={"max_new_tokens": len(ref.output_ids), **GREEDY},
                            return_logprob=True)
         assert out["output_ids"] == ref.output_ids, f"client {ref.client} round {ref.round}"
         logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
@@ -94,12 +73,7 @@ def run_later_rounds(srv, reference) -> int:
 
 
 def test_reference_server_matches_hf_generate(qwen3_next, reference):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=torch.float32, attn_implementation="eager").eval()
-    for prompt, turn in zip(workload_prompts(reference, **WORKLOAD), reference, strict=True):
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=len(turn.output_ids), do_sample=False)
-        assert out[0, len(prompt):].tolist() == turn.output_ids, f"client {turn.client} round {turn.round}"
+    assert_equal_hf_generate(qwen3_next, reference)
     assert len({t for turn in reference for t in turn.output_ids}) > 4
 
 
@@ -110,7 +84,7 @@ def storage_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hicache(qwen3_next, storage_dir):
-    flags = [*COMMON, *SMALL_DEVICE, *storage_flags(storage_dir)]
+    flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir)]
     with launch_server_process(qwen3_next, *flags) as srv:
         turns = run_workload(srv, **WORKLOAD)
         counters = wait_idle_check(srv)
@@ -129,7 +103,7 @@ def test_host_hits_restore_state(reference, hicache):
 def test_restart_on_same_l3_restores_state(qwen3_next, storage_dir, reference, hicache):
     """A fresh server (empty device and host tiers) on the first one's L3 directory: the later
     rounds' histories can only come from storage, KV pages and the state after them."""
-    with launch_server_process(qwen3_next, *COMMON, *SMALL_DEVICE, *storage_flags(storage_dir)) as srv:
+    with launch_server_process(qwen3_next, *COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir)) as srv:
         assert run_later_rounds(srv, reference) > 0
         assert wait_idle_check(srv)["num_idle_checks"] > 0
 
@@ -138,9 +112,5 @@ def test_unsupported_cell_is_refused_naming_the_mamba_pool(qwen3_next):
     """page_head + kernel serves the MHA anchor but not the Mamba pool: refused at start-up."""
     assert ("page_head", "kernel") in supported_cells(PoolKind.MHA)
     assert ("page_head", "kernel") not in supported_cells(PoolKind.MAMBA)
-    proc = run_launcher(qwen3_next, *COMMON, *SMALL_DEVICE, "--hicache-mem-layout", "page_head",
-                        "--hicache-io-backend", "kernel")
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    cells = [f"{lay}+{io}" for lay, io in supported_cells(PoolKind.MAMBA)]
-    for word in ("page_head", "mamba pool", "MambaPool", *cells):
-        assert word in proc.stderr, (word, proc.stderr[-2000:])
+    assert_cell_refused(qwen3_next, PoolKind.MAMBA, "page_head", "kernel", "mamba pool", "MambaPool",
+                        flags=(*COMMON, *SMALL_DEVICE))

@@ -14,6 +14,7 @@ from hicache_workload import (
     tier_totals,
     wait_idle_check,
 )
+from model_e2e import file_l3_flags, run_checked
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.server_utils import launch_server_process
 from test_hicache_storage import wait_backed_up
@@ -23,7 +24,6 @@ from test_qwen3_next_e2e import (
     SMALL_DEVICE,
     WORKLOAD,
     run_later_rounds,
-    storage_flags,
 )
 
 register_cpu_ci(est_time=60, suite="nightly-cpu")
@@ -33,7 +33,7 @@ qwen3_next, reference = e2e.qwen3_next, e2e.reference  # fixtures: the tiny chec
 
 def test_nixl_restart_restores_kv_and_state(qwen3_next, reference, tmp_path):
     pytest.importorskip("nixl")
-    flags = [*COMMON, *SMALL_DEVICE, *storage_flags(str(tmp_path / "nixl"), "nixl")]
+    flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(str(tmp_path / "nixl"), "nixl")]
     with launch_server_process(qwen3_next, *flags) as srv:
         turns = run_workload(srv, **WORKLOAD)
         assert_same_tokens(reference, turns, LOGPROB_TOL)
@@ -44,11 +44,8 @@ def test_nixl_restart_restores_kv_and_state(qwen3_next, reference, tmp_path):
 
 
 def test_tp2_hicache_matches_reference(qwen3_next, reference):
-    flags = [*COMMON, *SMALL_DEVICE, "--tp-size", "2"]
-    with launch_server_process(qwen3_next, *flags) as srv:
-        turns = run_workload(srv, **WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-    assert_same_tokens(reference, turns, LOGPROB_TOL)
+    turns = run_checked(qwen3_next, reference, *COMMON, *SMALL_DEVICE, "--tp-size", "2", logprob_tol=LOGPROB_TOL,
+                        workload=WORKLOAD)
     assert tier_totals(turns)["host"] > 0
 
 
@@ -62,7 +59,7 @@ def test_bf16_state_survives_l3_bit_for_bit(qwen3_next, tmp_path, backend):
     if backend == "nixl":
         pytest.importorskip("nixl")
     flags = [*COMMON, *SMALL_DEVICE, "--dtype", "bfloat16", "--hicache-mem-layout", "layer_first",
-             *storage_flags(str(tmp_path / backend), backend)]
+             *file_l3_flags(str(tmp_path / backend), backend)]
     rng = random.Random(5)
     first = [rng.randrange(3, 999) for _ in range(88)]  # page-aligned: a state checkpoint at its end
     params = {"max_new_tokens": 8, **GREEDY}

@@ -7,8 +7,13 @@ then it takes a request-table row and the pages of its whole prompt, reserves it
 the way ``PrefillAdder`` does (prompt + max_new_tokens - 1, so decoding never runs short), and
 hands the receiver the destination page ids and its aux row. In the transfer queue it is polled
 every step; once every TP rank saw the transfer complete, its first token is read from the aux
-row and it joins the running batch like a request that was just prefilled here. A failed
-transfer frees its pages and row and finishes it aborted, with the reason.
+row and it joins the running batch like a request that was just prefilled here. A failed or
+aborted transfer finishes the request aborted, with the reason, at once; its pages and row stay
+in **quarantine** for ``heartbeat_timeout_s`` before they are freed: prefill may already have
+posted a write into them, which NIXL cannot cancel, and a page reused by another request before
+that write lands would feed it foreign KV. Within that time a live prefill has seen the abort
+(and any posted write has landed: milliseconds), and a prefill whose heartbeats stopped is dead.
+Quarantined pages count as held (integrity check, reservations).
 
 Decode-side prefix caching is not done: every prompt's KV comes from prefill (finished
 requests still give their KV to this server's tree, which only evicts it).
@@ -17,10 +22,12 @@ requests still give their KV to this server's tree, which only evicts it).
 from __future__ import annotations
 
 import logging
+import time
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.scheduler_glue import DisaggBase
 from sglang.srt.disaggregation.utils import agreed_polls, page_ids_of
+from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
 from sglang.srt.mem_cache.tree_node import empty_indices
 
@@ -36,6 +43,9 @@ class DecodeDisagg(DisaggBase):
         self.transfer: list[tuple[Req, object]] = []  # destination pages handed over, KV on its way
         self.memory_waits: set[str] = set()  # rids that had to wait for device memory (or a request row)
         self.num_memory_waits = 0
+        # (free-after deadline, request row, request): pages a late prefill write may still reach
+        self.quarantine: list[tuple[float, int, Req]] = []
+        self.quarantine_s = self.mgr.config.heartbeat_timeout_s
 
     # ---- scheduler interface -------------------------------------------------------------------
     def add_request(self, req: Req, msg) -> bool:
@@ -57,6 +67,8 @@ class DecodeDisagg(DisaggBase):
         return True
 
     def step(self) -> None:
+        if self.quarantine:
+            self._release_quarantined()
         if self.prealloc:
             self._poll_prealloc()
         if self.transfer:
@@ -71,7 +83,7 @@ class DecodeDisagg(DisaggBase):
                 if req.rid == rid:
                     del queue[i]
                     receiver.abort()
-                    self._release(req)
+                    self._quarantine(req) if queue is self.transfer else self._release(req)
                     req.finish(FinishReason.ABORT, message="aborted")
                     self.sched._finish(req)
                     return True
@@ -81,11 +93,11 @@ class DecodeDisagg(DisaggBase):
         return [r for r, _ in self.prealloc]
 
     def held_reqs(self) -> list[Req]:
-        return [r for r, _ in self.transfer]
+        return [r for r, _ in self.transfer] + [r for _, _, r in self.quarantine]
 
     def info(self) -> dict:
         return {**super().info(), "pd_prealloc_queue": len(self.prealloc), "pd_transfer_queue": len(self.transfer),
-                "pd_memory_waits": self.num_memory_waits}
+                "pd_memory_waits": self.num_memory_waits, "pd_quarantined": len(self.quarantine)}
 
     # ---- queues --------------------------------------------------------------------------------
     def _poll_prealloc(self) -> None:
@@ -174,9 +186,32 @@ class DecodeDisagg(DisaggBase):
         self.runner.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 
+    def _quarantine(self, req: Req) -> None:
+        """Hold the pages and row of a request whose destination pages prefill knows (see the
+        module doc); the request itself can finish now (its row is detached from it until freed)."""
+        if req.req_pool_idx is None:
+            return
+        req.max_pages = req.pages_allocated  # keeps what it holds, reserves nothing more
+        self.quarantine.append((time.monotonic() + self.quarantine_s, req.req_pool_idx, req))
+        req.req_pool_idx = None  # so finishing it neither caches nor frees anything
+
+    def _release_quarantined(self) -> None:
+        """Free the quarantined requests whose time is up on every TP rank (agreed: the ranks'
+        clocks differ, their pools must not)."""
+        now = time.monotonic()
+        due = tensor_model_parallel_cpu_all_reduce_min([int(now >= t) for t, _, _ in self.quarantine])
+        keep = []
+        for (t, row, req), done in zip(self.quarantine, due, strict=True):
+            if done:
+                req.req_pool_idx = row
+                self._release(req)
+            else:
+                keep.append((t, row, req))
+        self.quarantine = keep
+
     def _drop(self, req: Req, receiver) -> None:
         exc = receiver.failure_exception()
         receiver.abort()
-        self._release(req)
+        self._quarantine(req)
         self.fail(req, str(exc) if exc else "failed on another TP rank of this server")
         self.sched._finish(req)

@@ -213,7 +213,7 @@ class SparseMoE(nn.Module):
         self.gate = router
         self.experts = FusedMoE(router.num_experts, hidden_size, intermediate_size, accumulate_fp32)
         self.shared_name = shared_name
-        shared = GatedMLPPartial(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        shared = GatedMLPPartial(hidden_size, shared_intermediate_size) if shared_intermediate_size > 0 else None
         setattr(self, shared_name, shared)
         self.shared_expert_gate = ReplicatedWeight(1, hidden_size) if shared is not None and shared_gate else None
 
@@ -255,14 +255,16 @@ def moe_weight_shapes(prefix: str, hidden: int, num_experts: int, intermediate_s
                       correction_bias: bool = False, shared_name: str = "shared_experts",
                       shared_intermediate_size: int = 0, shared_gate: bool = False) -> dict[str, tuple[int, ...]]:
     """The HF tensors of a ``SparseMoE`` at ``prefix`` (e.g. ``model.layers.3.mlp.``), full shapes."""
-    from sglang.srt.models.llama import gated_mlp_shapes  # (models import layers, not the reverse, at load)
+    from sglang.srt.models.llama import (
+        gated_mlp_shapes,  # (models import layers, not the reverse, at load)
+    )
 
     shapes = {f"{prefix}gate.weight": (num_experts, hidden)}
     if correction_bias:
         shapes[f"{prefix}gate.e_score_correction_bias"] = (num_experts,)
     for e in range(num_experts):
         shapes.update(gated_mlp_shapes(f"{prefix}experts.{e}.", hidden, intermediate_size))
-    if shared_intermediate_size:
+    if shared_intermediate_size > 0:
         shapes.update(gated_mlp_shapes(f"{prefix}{shared_name}.", hidden, shared_intermediate_size))
         if shared_gate:
             shapes[f"{prefix}shared_expert_gate.weight"] = (1, hidden)

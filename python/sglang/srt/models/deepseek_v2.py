@@ -25,7 +25,6 @@ dense MLP of ``intermediate_size``. Multi-token-prediction layers some checkpoin
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -40,8 +39,7 @@ from sglang.srt.layers.linear import (
     divide,
     invariant_linear,
 )
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.moe import DeepseekMoE
+from sglang.srt.layers.moe import DeepseekMoE, moe_weight_shapes
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import (
     RotaryEmbedding,
@@ -49,15 +47,17 @@ from sglang.srt.layers.rotary_embedding import (
     yarn_factor,
     yarn_get_mscale,
 )
-from sglang.srt.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-)
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec
 from sglang.srt.models.base import ModelSpec
-from sglang.srt.models.llama import LlamaMLP
-from sglang.srt.models.weight_names import load_named_weights
+from sglang.srt.models.llama import (
+    GATE_UP_STACKED_PARAMS,
+    CausalLM,
+    DecoderModel,
+    LlamaDecoderLayer,
+    mlp_and_norm_shapes,
+)
 
 
 class ReplicatedLinear(nn.Module):
@@ -148,6 +148,9 @@ class DeepseekV2Attention(nn.Module):
         return None
 
 
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
 def is_moe_layer(config, layer_id: int) -> bool:
     """``mlp_layer_types[i] == "sparse"`` when the config lists them (V3.2), else MoE from
     ``first_k_dense_replace`` on, every ``moe_layer_freq``-th layer."""
@@ -161,25 +164,7 @@ def is_moe_layer(config, layer_id: int) -> bool:
     )
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding, attention_cls=DeepseekV2Attention):
-        super().__init__()
-        self.self_attn = attention_cls(config, layer_id, rotary_emb)
-        self.mlp = DeepseekMoE(config) if is_moe_layer(config, layer_id) else LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class DeepseekV2Model(nn.Module):
+class DeepseekV2Model(DecoderModel):
     def __init__(self, config, attention_cls=DeepseekV2Attention):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -188,19 +173,13 @@ class DeepseekV2Model(nn.Module):
             interleaved=bool(config.rope_interleave),
         )
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attention_cls, rotary_emb, DeepseekMoE(config) if is_moe_layer(config, i) else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class DeepseekV2ForCausalLM(ModelSpec, nn.Module):
+class DeepseekV2ForCausalLM(ModelSpec, CausalLM):
     hf_required_keys = (
         *ModelSpec.hf_required_keys, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
     )
@@ -227,7 +206,7 @@ class DeepseekV2ForCausalLM(ModelSpec, nn.Module):
     # Keys whose explicit null means something (no q LoRA, no groups, no shared experts), not "default".
     nullable_keys = ("q_lora_rank", "n_group", "topk_group", "n_shared_experts", "n_routed_experts")
     attention_cls = DeepseekV2Attention
-    stacked_params_mapping = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+    stacked_params_mapping = GATE_UP_STACKED_PARAMS
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
@@ -260,18 +239,7 @@ class DeepseekV2ForCausalLM(ModelSpec, nn.Module):
         return KVPoolLayout(PoolSpec(PoolKind.MLA, args))
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV2Model(config, self.attention_cls)
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        super().__init__(config, DeepseekV2Model(config, self.attention_cls))
 
     @classmethod
     def attention_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
@@ -301,45 +269,24 @@ class DeepseekV2ForCausalLM(ModelSpec, nn.Module):
     def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, full (unsharded) shapes."""
         h = config.hidden_size
-        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, h)
-
-        def mlp(prefix: str, inter: int) -> None:
-            shapes[f"{prefix}gate_proj.weight"] = (inter, h)
-            shapes[f"{prefix}up_proj.weight"] = (inter, h)
-            shapes[f"{prefix}down_proj.weight"] = (h, inter)
-
+        shapes = cls.outer_weight_shapes(config)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             for name, shape in cls.attention_weight_shapes(config).items():
                 shapes[f"{p}self_attn.{name}"] = shape
+            moe = None
             if is_moe_layer(config, i):
-                shapes[f"{p}mlp.gate.weight"] = (config.n_routed_experts, h)
-                if config.topk_method == "noaux_tc":
-                    shapes[f"{p}mlp.gate.e_score_correction_bias"] = (config.n_routed_experts,)
-                for e in range(config.n_routed_experts):
-                    mlp(f"{p}mlp.experts.{e}.", config.moe_intermediate_size)
-                if config.n_shared_experts:
-                    mlp(f"{p}mlp.shared_experts.", config.moe_intermediate_size * config.n_shared_experts)
-            else:
-                mlp(f"{p}mlp.", config.intermediate_size)
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+                shared = config.moe_intermediate_size * (config.n_shared_experts or 0)
+                moe = moe_weight_shapes(f"{p}mlp.", h, config.n_routed_experts, config.moe_intermediate_size,
+                                        correction_bias=config.topk_method == "noaux_tc",
+                                        shared_intermediate_size=shared)
+            shapes.update(mlp_and_norm_shapes(p, h, config.intermediate_size, moe))
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (each rank keeps its shard); multi-token-prediction layers
-        past ``num_hidden_layers`` are skipped. ValueError on missing or unexpected names."""
-        n_layers = self.config.num_hidden_layers
-        layer_re = re.compile(r"^model\.layers\.(\d+)\.")
-
-        def used(name: str) -> bool:
-            m = layer_re.match(name)
-            return m is None or int(m.group(1)) < n_layers
-
-        kept = ((n, t) for n, t in weights if used(n))
-        load_named_weights(self, kept, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+    def skip_weight(self, name: str) -> bool:
+        """Multi-token-prediction layers past ``num_hidden_layers``, which HF does not use either."""
+        m = _LAYER_RE.match(name)
+        return m is not None and int(m.group(1)) >= self.config.num_hidden_layers
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

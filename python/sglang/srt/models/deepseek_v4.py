@@ -41,15 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.layers.linear import invariant_linear
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.rotary_embedding import ROPE_SCALING_TYPES, yarn_attention_factor
 from sglang.srt.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec
 from sglang.srt.models.base import ModelSpec
+from sglang.srt.models.llama import CausalLM
 from sglang.srt.models.weight_names import load_named_weights
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -624,9 +623,11 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(streams))
 
 
-class DeepseekV4ForCausalLM(ModelSpec, nn.Module):
+class DeepseekV4ForCausalLM(ModelSpec, CausalLM):
     """Weights are replicated on every TP rank (HF's V4 TP plan keeps attention replicated too);
     only the embedding and LM head are vocab-sharded."""
+
+    lm_head_name = "head"  # the checkpoint's name
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
@@ -645,16 +646,7 @@ class DeepseekV4ForCausalLM(ModelSpec, nn.Module):
         )
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = DeepseekV4Model(config)
-        tied = config.tie_word_embeddings
-        self.head = self.model.embed_tokens if tied else ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.head, forward_batch)
+        super().__init__(config, DeepseekV4Model(config))
 
     @classmethod
     def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
@@ -662,10 +654,8 @@ class DeepseekV4ForCausalLM(ModelSpec, nn.Module):
         h, d, n, heads = config.hidden_size, config.head_dim, config.hc_mult, config.num_attention_heads
         q_rank, inter, experts = config.q_lora_rank, config.moe_intermediate_size, config.n_routed_experts
         c, ih = config.index_head_dim, config.index_n_heads
-        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,), "model.hc_head.hc_fn": (n, n * h), "model.hc_head.hc_base": (n,),
+        shapes = {**cls.outer_weight_shapes(config), "model.hc_head.hc_fn": (n, n * h), "model.hc_head.hc_base": (n,),
                   "model.hc_head.hc_scale": (1,)}
-        if not config.tie_word_embeddings:
-            shapes["head.weight"] = (config.vocab_size, h)
         for i, layer_type in enumerate(config.layer_types):
             p = f"model.layers.{i}."
             a = p + "attn."

@@ -1,4 +1,7 @@
-"""Llama (GQA, optional attention/MLP bias, tied embeddings) with HF weight names."""
+"""Llama (GQA, optional attention/MLP bias, tied embeddings) with HF weight names, and the pieces the
+other decoder-only models here share: the pre-norm residual block (``PreNormDecoderLayer``), the
+embed -> layers -> norm stack (``DecoderModel``), the LM-head / logits / weight-loading shell
+(``CausalLM``) and the HF weight-shape helpers (``gated_mlp_shapes``, ``mlp_and_norm_shapes``)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,18 @@ from torch import nn
 
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from sglang.srt.models.base import ModelSpec
 from sglang.srt.models.weight_names import load_named_weights
 
@@ -116,6 +126,10 @@ class CausalLM(nn.Module):
     when ``tie_word_embeddings``) registered as ``lm_head_name`` (its checkpoint name), logits."""
 
     lm_head_name = "lm_head"
+    # Checkpoint tensors the model does not use (e.g. a multi-token-prediction head), by name prefix.
+    skipped_weight_prefixes: tuple[str, ...] = ()
+    # (fused parameter, HF name part, shard id) for the checkpoint tensors loaded into a fused one.
+    stacked_params_mapping: tuple = ()
 
     def __init__(self, config, model: nn.Module):
         super().__init__()
@@ -140,14 +154,24 @@ class CausalLM(nn.Module):
         return shapes
 
     def skip_weight(self, name: str) -> bool:
-        """Checkpoint tensors the model does not use (e.g. multi-token-prediction layers)."""
-        return False
+        """Whether the checkpoint tensor ``name`` is left out of loading (it is not the model's)."""
+        return name.startswith(self.skipped_weight_prefixes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named full tensors (each rank keeps its shard), less ``skip_weight`` ones.
         Raises ValueError on missing, unexpected or mis-shaped names."""
         kept = ((n, t) for n, t in weights if not self.skip_weight(n))
         load_named_weights(self, kept, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+
+
+def mlp_and_norm_shapes(prefix: str, hidden: int, inter: int, moe: dict | None = None,
+                        bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's ``mlp.*`` tensors (the ``moe`` shapes, else a dense gated MLP of ``inter``)
+    and its two RMSNorms, at layer ``prefix`` (``model.layers.{i}.``), full shapes."""
+    shapes = dict(moe) if moe is not None else gated_mlp_shapes(f"{prefix}mlp.", hidden, inter, bias)
+    shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
+    shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
+    return shapes
 
 
 def gated_mlp_shapes(prefix: str, hidden: int, inter: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
@@ -160,16 +184,15 @@ def gated_mlp_shapes(prefix: str, hidden: int, inter: int, bias: bool = False) -
     return shapes
 
 
+# (fused parameter, HF projection, shard id): q/k/v into qkv_proj, gate/up into gate_up_proj (the
+# expert projections match too: experts.{e}.gate_proj -> experts.{e}.gate_up_proj).
+QKV_STACKED_PARAMS = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"))
+GATE_UP_STACKED_PARAMS = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+
+
 class LlamaForCausalLM(ModelSpec, CausalLM):
     attention_cls = LlamaAttention
-    # (fused parameter, HF projection, shard id)
-    stacked_params_mapping = (
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    )
+    stacked_params_mapping = (*QKV_STACKED_PARAMS, *GATE_UP_STACKED_PARAMS)
 
     def __init__(self, config):
         super().__init__(config, LlamaModel(config, self.attention_cls))
@@ -187,9 +210,7 @@ class LlamaForCausalLM(ModelSpec, CausalLM):
                 shapes[f"{p}self_attn.{name}.weight"] = shape
                 if config.attention_bias:
                     shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
-            shapes.update(gated_mlp_shapes(f"{p}mlp.", h, inter, config.mlp_bias))
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            shapes.update(mlp_and_norm_shapes(p, h, inter, bias=config.mlp_bias))
         return shapes
 
 

@@ -23,7 +23,6 @@ What the HF model (transformers ``mimo_v2_flash``) computes, and how it is cache
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -31,15 +30,20 @@ from torch import nn
 
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import QKVParallelLinear, RowParallelLinear
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.mimo_moe import SigmoidGroupedTopKMoE
+from sglang.srt.layers.moe import SparseMoE, TopKRouter, moe_weight_shapes
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, mha_layout
 from sglang.srt.models.base import ModelSpec
-from sglang.srt.models.llama import LlamaMLP
-from sglang.srt.models.weight_names import load_named_weights
+from sglang.srt.models.llama import (
+    GATE_UP_STACKED_PARAMS,
+    QKV_STACKED_PARAMS,
+    CausalLM,
+    DecoderModel,
+    LlamaDecoderLayer,
+    mlp_and_norm_shapes,
+)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -94,32 +98,19 @@ class MiMoV2FlashAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
-class MiMoV2FlashDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = MiMoV2FlashAttention(config, layer_id, rotary_emb)
-        if config.mlp_layer_types[layer_id] == "sparse":
-            self.mlp = SigmoidGroupedTopKMoE(
-                config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
-                config.num_experts_per_tok, config.n_group, config.topk_group, config.norm_topk_prob,
-                config.routed_scaling_factor,
-            )
-        else:
-            self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+def mimo_moe(config) -> SparseMoE:
+    """A ``sparse`` layer's MoE: sigmoid scores, bias-corrected group-limited top-k (V3's
+    ``noaux_tc`` router), no shared experts, expert outputs summed in the model dtype (as HF)."""
+    router = TopKRouter(
+        config.hidden_size, config.n_routed_experts, config.num_experts_per_tok, scoring_func="sigmoid",
+        topk_method="noaux_tc", n_group=config.n_group, topk_group=config.topk_group,
+        norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=float(config.routed_scaling_factor),
+        correction_bias=True,
+    )
+    return SparseMoE(router, config.hidden_size, config.moe_intermediate_size, accumulate_fp32=False)
 
 
-class MiMoV2FlashModel(nn.Module):
+class MiMoV2FlashModel(DecoderModel):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -129,19 +120,14 @@ class MiMoV2FlashModel(nn.Module):
             for t in sorted(set(config.layer_types))
         }
         self.layers = nn.ModuleList(
-            MiMoV2FlashDecoderLayer(config, i, rotary[config.layer_types[i]]) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, MiMoV2FlashAttention, rotary[config.layer_types[i]],
+                              mimo_moe(config) if config.mlp_layer_types[i] == "sparse" else None)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class MiMoV2FlashForCausalLM(ModelSpec, nn.Module):
+class MiMoV2FlashForCausalLM(ModelSpec, CausalLM):
     hf_required_keys = (
         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
         "vocab_size", "head_dim", "v_head_dim",
@@ -164,30 +150,14 @@ class MiMoV2FlashForCausalLM(ModelSpec, nn.Module):
         "mlp_layer_types": None,
         "rope_parameters": None,
     }
-    # (fused parameter, HF name part, shard id); the expert projections match too
-    # (experts.{e}.gate_proj -> experts.{e}.gate_up_proj).
+    skipped_weight_prefixes = ("model.mtp.",)  # the multi-token-prediction head, which HF ignores too
+    # (fused parameter, HF name part, shard id)
     stacked_params_mapping = (
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-        (".attn.sinks", ".attention_sink_bias", None),
+        *QKV_STACKED_PARAMS, *GATE_UP_STACKED_PARAMS, (".attn.sinks", ".attention_sink_bias", None),
     )
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = MiMoV2FlashModel(config)
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        super().__init__(config, MiMoV2FlashModel(config))
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
@@ -267,9 +237,7 @@ class MiMoV2FlashForCausalLM(ModelSpec, nn.Module):
     def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
         """Every tensor an HF checkpoint of this config holds, full (unsharded) shapes."""
         h, d, dv, nq = config.hidden_size, config.head_dim, config.v_head_dim, config.num_attention_heads
-        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes = cls.outer_weight_shapes(config)
         for i, layer_type in enumerate(config.layer_types):
             p = f"model.layers.{i}."
             nkv = kv_heads_of(config, layer_type)
@@ -281,28 +249,11 @@ class MiMoV2FlashForCausalLM(ModelSpec, nn.Module):
             shapes[f"{p}self_attn.o_proj.weight"] = (h, nq * dv)
             if layer_type == SLIDING:
                 shapes[f"{p}self_attn.attention_sink_bias"] = (nq,)
-            if config.mlp_layer_types[i] == "sparse":
-                inter, experts = config.moe_intermediate_size, config.n_routed_experts
-                shapes[f"{p}mlp.gate.weight"] = (experts, h)
-                shapes[f"{p}mlp.gate.e_score_correction_bias"] = (experts,)
-                for e in range(experts):
-                    q = f"{p}mlp.experts.{e}."
-                    shapes.update({f"{q}gate_proj.weight": (inter, h), f"{q}up_proj.weight": (inter, h),
-                                   f"{q}down_proj.weight": (h, inter)})
-            else:
-                inter = config.intermediate_size
-                shapes.update({f"{p}mlp.gate_proj.weight": (inter, h), f"{p}mlp.up_proj.weight": (inter, h),
-                               f"{p}mlp.down_proj.weight": (h, inter)})
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            sparse = config.mlp_layer_types[i] == "sparse"
+            moe = moe_weight_shapes(f"{p}mlp.", h, config.n_routed_experts, config.moe_intermediate_size,
+                                    correction_bias=True) if sparse else None
+            shapes.update(mlp_and_norm_shapes(p, h, config.intermediate_size, moe))
         return shapes
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (each rank keeps its shard). Raises ValueError on missing,
-        unexpected or mis-shaped names. The multi-token-prediction head (``model.mtp.*``), which
-        HF ignores too, is skipped."""
-        weights = ((n, t) for n, t in weights if not n.startswith("model.mtp."))
-        load_named_weights(self, weights, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
 
 
 EntryClass = MiMoV2FlashForCausalLM

@@ -14,14 +14,13 @@ Layers follow ``config.layer_types`` (HF derives it from ``full_attention_interv
   to start from and which to write.
 
 RMSNorms are HF's ``(1 + weight)`` form except the gated one. MLPs are the sparse MoE with a
-shared expert (``layers/qwen3_next_moe.py``), or dense on ``mlp_only_layers`` / ``num_experts == 0``.
+shared expert (``layers/moe.py``), or dense on ``mlp_only_layers`` / ``num_experts == 0``.
 Weights use HF names; TP shards attention heads, key/value head groups of the linear layers and the
 expert intermediate dims.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -42,19 +41,22 @@ from sglang.srt.layers.linear_attention import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.qwen3_next_moe import SparseMoeBlock
+from sglang.srt.layers.moe import SparseMoE, TopKRouter, moe_weight_shapes
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
-)
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec, mha_layout
 from sglang.srt.models.base import ModelSpec
-from sglang.srt.models.llama import LlamaMLP
-from sglang.srt.models.weight_names import load_named_weights
+from sglang.srt.models.llama import (
+    GATE_UP_STACKED_PARAMS,
+    QKV_STACKED_PARAMS,
+    CausalLM,
+    DecoderModel,
+    LlamaMLP,
+    PreNormDecoderLayer,
+    mlp_and_norm_shapes,
+)
 
 FULL, LINEAR = "full_attention", "linear_attention"
 LAYER_TYPES = (FULL, LINEAR)
@@ -236,7 +238,23 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(out.shape[0], -1))
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+def is_sparse_layer(config, layer_id: int) -> bool:
+    """MoE unless the layer is in ``mlp_only_layers``, there are no experts, or off ``decoder_sparse_step``."""
+    return (layer_id not in config.mlp_only_layers and config.num_experts > 0
+            and (layer_id + 1) % config.decoder_sparse_step == 0)
+
+
+def qwen3_next_moe(config) -> SparseMoE:
+    """Softmax top-k router (logits and weights in the model dtype, as HF), routed experts and one
+    ``shared_expert`` scaled by ``sigmoid(shared_expert_gate)``, summed in the model dtype."""
+    router = TopKRouter(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                        norm_topk_prob=config.norm_topk_prob, model_dtype_logits=True, sorted_topk=True)
+    return SparseMoE(router, config.hidden_size, config.moe_intermediate_size,
+                     config.shared_expert_intermediate_size, shared_name="shared_expert", shared_gate=True,
+                     accumulate_fp32=False)
+
+
+class Qwen3NextDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_id: int, rotary_emb: RotaryEmbedding, pool_layer_id: int):
         super().__init__()
         self.layer_type = config.layer_types[layer_id]
@@ -244,29 +262,16 @@ class Qwen3NextDecoderLayer(nn.Module):
             self.self_attn = Qwen3NextAttention(config, pool_layer_id, rotary_emb)
         else:
             self.linear_attn = GatedDeltaNet(config, pool_layer_id)
-        sparse = (layer_id not in config.mlp_only_layers and config.num_experts > 0
-                  and (layer_id + 1) % config.decoder_sparse_step == 0)
-        if sparse:
-            self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                                      config.moe_intermediate_size, config.shared_expert_intermediate_size,
-                                      config.norm_topk_prob)
-        else:
-            self.mlp = LlamaMLP(config)
+        self.mlp = qwen3_next_moe(config) if is_sparse_layer(config, layer_id) else LlamaMLP(config)
         self.input_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden_states, forward_batch, residual):
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        mixer = self.self_attn if self.layer_type == FULL else self.linear_attn
-        hidden_states = mixer(positions, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.self_attn if self.layer_type == FULL else self.linear_attn
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(DecoderModel):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -280,15 +285,8 @@ class Qwen3NextModel(nn.Module):
         )
         self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
-
-class Qwen3NextForCausalLM(ModelSpec, nn.Module):
+class Qwen3NextForCausalLM(ModelSpec, CausalLM):
     hf_required_keys = ModelSpec.hf_required_keys + ("num_key_value_heads",)
     hf_config_defaults: ClassVar[dict] = {
         **ModelSpec.hf_config_defaults,
@@ -309,14 +307,9 @@ class Qwen3NextForCausalLM(ModelSpec, nn.Module):
         "mlp_only_layers": [],
         "layer_types": None,
     }
+    skipped_weight_prefixes = ("mtp.",)  # multi-token prediction, which HF does not use either
     # (fused parameter, HF projection, shard id); q_proj holds [q, gate] per head.
-    stacked_params_mapping = (
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    )
+    stacked_params_mapping = (*QKV_STACKED_PARAMS, *GATE_UP_STACKED_PARAMS)
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:
@@ -367,18 +360,7 @@ class Qwen3NextForCausalLM(ModelSpec, nn.Module):
         return KVPoolLayout(anchor, state=state)
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        if config.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        super().__init__(config, Qwen3NextModel(config))
 
     @classmethod
     def hf_weight_shapes(cls, config) -> dict[str, tuple[int, ...]]:
@@ -386,15 +368,7 @@ class Qwen3NextForCausalLM(ModelSpec, nn.Module):
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
         kd, vd, nv = config.linear_key_dim, config.linear_value_dim, config.linear_num_value_heads
-        shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-        if not config.tie_word_embeddings:
-            shapes["lm_head.weight"] = (config.vocab_size, h)
-
-        def mlp(prefix: str, inter: int) -> None:
-            shapes[f"{prefix}.gate_proj.weight"] = (inter, h)
-            shapes[f"{prefix}.up_proj.weight"] = (inter, h)
-            shapes[f"{prefix}.down_proj.weight"] = (h, inter)
-
+        shapes = cls.outer_weight_shapes(config)
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             if config.layer_types[i] == FULL:
@@ -414,26 +388,12 @@ class Qwen3NextForCausalLM(ModelSpec, nn.Module):
                 shapes[f"{la}dt_bias"] = (nv,)
                 shapes[f"{la}norm.weight"] = (config.linear_value_head_dim,)
                 shapes[f"{la}out_proj.weight"] = (h, vd)
-            sparse = (i not in config.mlp_only_layers and config.num_experts > 0
-                      and (i + 1) % config.decoder_sparse_step == 0)
-            if sparse:
-                shapes[f"{p}mlp.gate.weight"] = (config.num_experts, h)
-                for e in range(config.num_experts):
-                    mlp(f"{p}mlp.experts.{e}", config.moe_intermediate_size)
-                if config.shared_expert_intermediate_size > 0:
-                    mlp(f"{p}mlp.shared_expert", config.shared_expert_intermediate_size)
-                    shapes[f"{p}mlp.shared_expert_gate.weight"] = (1, h)
-            else:
-                mlp(f"{p}mlp", config.intermediate_size)
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            moe = moe_weight_shapes(
+                f"{p}mlp.", h, config.num_experts, config.moe_intermediate_size, shared_name="shared_expert",
+                shared_intermediate_size=config.shared_expert_intermediate_size, shared_gate=True,
+            ) if is_sparse_layer(config, i) else None
+            shapes.update(mlp_and_norm_shapes(p, h, config.intermediate_size, moe))
         return shapes
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named full tensors (each rank keeps its shard); ``mtp.*`` (multi-token prediction)
-        tensors are skipped. ValueError on missing or unexpected names."""
-        weights = ((n, t) for n, t in weights if not n.startswith("mtp."))
-        load_named_weights(self, weights, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
 
 
 EntryClass = Qwen3NextForCausalLM

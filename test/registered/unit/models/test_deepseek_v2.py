@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.memory_pool.mla import MLATokenToKVPool
 from sglang.srt.model_executor.model_config import ModelConfig
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
+from sglang.test import hf_reference as hf_ref
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import Driver, make_tiny_model
 
@@ -36,78 +37,27 @@ _g = torch.Generator().manual_seed(7)
 PROMPTS = [torch.randint(5, 990, (n,), generator=_g).tolist() for n in (5, 131, 300)]  # 300: 3 key blocks
 
 
-def _randomize_correction_bias(path: str) -> None:
-    """HF initializes e_score_correction_bias to zeros; give it values that change the choice."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                bias = gate.e_score_correction_bias
-                bias.copy_(0.05 * torch.randn(bias.shape, generator=gen))
-    model.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     v2 = make_tiny_model(str(root / "v2"), "deepseek_v2")
     v3 = make_tiny_model(str(root / "v3"), "deepseek_v3")
-    _randomize_correction_bias(v3)
+    hf_ref.randomize_zero_inits(v3, {"e_score_correction_bias": 0.05})  # HF's zeros would not change the choice
     return {"deepseek_v2": v2, "deepseek_v3": v3}
 
 
 @pytest.fixture(scope="module")
 def hf_models(models):
-    return {
-        arch: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
-        for arch, path in models.items()
-    }
-
-
-def make_runner(path, page_size=4, **kw):
-    kw.setdefault("max_total_tokens", 4096)
-    return ModelRunner(ModelRunnerConfig(path, device="cpu", page_size=page_size, max_running_requests=8, **kw))
-
-
-def hf_generate(hf, prompt, new_tokens=NEW_TOKENS):
-    """(tokens, per-step logits) of HF greedy generate."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
-
-
-def our_steps(runner, prompt, new_tokens=NEW_TOKENS, chunk=None):
-    """(greedy tokens, per-step logits): prefill (in chunks of ``chunk``) then decodes."""
-    driver = Driver(runner)
-    req = driver.new_req(prompt)
-    done = 0
-    while done < len(prompt):
-        n = min(chunk or len(prompt), len(prompt) - done)
-        out = driver.extend([req], [n])
-        done += n
-    tokens, logits = [], []
-    for step in range(new_tokens):
-        row = out.next_token_logits[0]
-        logits.append(row.clone())
-        tokens.append(int(row.argmax()))
-        req.token_ids.append(tokens[-1])
-        if step + 1 < new_tokens:
-            out = driver.decode([req])
-    driver.release(req)
-    return tokens, logits
+    return {arch: hf_ref.load_hf(path) for arch, path in models.items()}
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_logits_and_greedy_match_hf(models, hf_models, arch):
-    runner = make_runner(models[arch])
+    runner = hf_ref.make_runner(models[arch])
     assert isinstance(runner.token_to_kv_pool, MLATokenToKVPool)
     for prompt in PROMPTS:
-        want_tokens, want_logits = hf_generate(hf_models[arch], prompt)
-        tokens, logits = our_steps(runner, prompt)
+        want_tokens, want_logits = hf_ref.hf_greedy(hf_models[arch], prompt, NEW_TOKENS)
+        tokens, logits = hf_ref.greedy_steps(runner, prompt, NEW_TOKENS)
         assert tokens == want_tokens, (len(prompt), tokens, want_tokens)
         for step, (got, want) in enumerate(zip(logits, want_logits)):
             diff = (got - want).abs().max().item()
@@ -118,8 +68,8 @@ def test_logits_and_greedy_match_hf(models, hf_models, arch):
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
 def test_batched_chunked_cached_and_page_size_are_bitwise_equal(models, arch):
-    ref = Driver(make_runner(models[arch], page_size=1)).generate(PROMPTS, NEW_TOKENS, batch=False)
-    runner = make_runner(models[arch], page_size=4)
+    ref = Driver(hf_ref.make_runner(models[arch], page_size=1)).generate(PROMPTS, NEW_TOKENS, batch=False)
+    runner = hf_ref.make_runner(models[arch], page_size=4)
     driver = Driver(runner)
     assert driver.generate(PROMPTS, NEW_TOKENS, batch=True, chunk=64) == ref
     # A request whose first 128 tokens reuse another's KV (a prefix-cache hit).

@@ -18,8 +18,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.memory_pool.dsa import DSAIndexerPool
 from sglang.srt.model_executor.model_config import ModelConfig
-from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
+from sglang.test import hf_reference as hf_ref
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import Driver, make_tiny_model
 
@@ -37,26 +36,13 @@ PROMPTS = [torch.randint(5, 990, (n,), generator=_g).tolist() for n in (9, 140, 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("dsv32") / "m"), "deepseek_v32")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
-            if bias is not None:
-                bias.copy_(0.05 * torch.randn(bias.shape, generator=gen))
-    hf.save_pretrained(path)
+    hf_ref.randomize_zero_inits(path, {"e_score_correction_bias": 0.05})
     return path
 
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
-def make_runner(path, page_size=4, **kw):
-    kw.setdefault("max_total_tokens", 4096)
-    return ModelRunner(ModelRunnerConfig(path, device="cpu", page_size=page_size, max_running_requests=8, **kw))
+    return hf_ref.load_hf(model_path)
 
 
 def capture(modules):
@@ -74,36 +60,23 @@ def hf_choices(rows: torch.Tensor, positions: list[int]) -> list[set[int]]:
 
 
 def test_indexer_choice_logits_and_greedy_match_hf(model_path, hf):
-    runner = make_runner(model_path)
+    runner = hf_ref.make_runner(model_path)
     assert isinstance(runner.side_pools[PoolKind.DSA_INDEXER], DSAIndexerPool)
     ours_idx = [layer.self_attn.indexer for layer in runner.model.model.layers]
     hf_idx = [layer.self_attn.indexer for layer in hf.model.layers]
     for prompt in PROMPTS:
         hf_log, hf_handles = capture(hf_idx)
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+        want_tokens, want_logits = hf_ref.hf_greedy(hf, prompt, NEW_TOKENS)
         for h in hf_handles:
             h.remove()
-        want_tokens = out.sequences[0, len(prompt):].tolist()
 
         our_log, our_handles = capture(ours_idx)
-        driver = Driver(runner)
-        req = driver.new_req(prompt)
-        step_out = driver.extend([req], [len(prompt)])
-        tokens = []
-        for step in range(NEW_TOKENS):
-            row = step_out.next_token_logits[0]
-            want = out.logits[step][0]
-            diff, tol = (row - want).abs().max().item(), LOGIT_TOL * max(1.0, want.abs().max().item())
-            assert diff <= tol, f"prompt {len(prompt)} step {step}: logit diff {diff} > {tol}"
-            tokens.append(int(row.argmax()))
-            req.token_ids.append(tokens[-1])
-            if step + 1 < NEW_TOKENS:
-                step_out = driver.decode([req])
-        driver.release(req)
+        tokens, logits = hf_ref.greedy_steps(runner, prompt, NEW_TOKENS)
         for h in our_handles:
             h.remove()
+        for step, (row, want) in enumerate(zip(logits, want_logits, strict=True)):
+            diff, tol = (row - want).abs().max().item(), LOGIT_TOL * max(1.0, want.abs().max().item())
+            assert diff <= tol, f"prompt {len(prompt)} step {step}: logit diff {diff} > {tol}"
         assert tokens == want_tokens
 
         for layer in range(len(hf_idx)):
@@ -129,7 +102,7 @@ def test_the_choice_matters(model_path, hf, tmp_path):
         raw = json.load(f)
     (dense / "config.json").write_text(json.dumps({**raw, "index_topk": 4096}))
     prompt = PROMPTS[2]
-    runners = {"sparse": make_runner(model_path), "dense": make_runner(str(dense))}
+    runners = {"sparse": hf_ref.make_runner(model_path), "dense": hf_ref.make_runner(str(dense))}
     rows = {}
     for name, runner in runners.items():
         driver = Driver(runner)
@@ -142,8 +115,8 @@ def test_the_choice_matters(model_path, hf, tmp_path):
 
 
 def test_batched_chunked_cached_and_page_size_are_bitwise_equal(model_path):
-    ref = Driver(make_runner(model_path, page_size=1)).generate(PROMPTS, NEW_TOKENS, batch=False)
-    driver = Driver(make_runner(model_path, page_size=4))
+    ref = Driver(hf_ref.make_runner(model_path, page_size=1)).generate(PROMPTS, NEW_TOKENS, batch=False)
+    driver = Driver(hf_ref.make_runner(model_path, page_size=4))
     assert driver.generate(PROMPTS, NEW_TOKENS, batch=True, chunk=48) == ref
     donor = driver.new_req(PROMPTS[2])
     driver.extend([donor], [len(PROMPTS[2])])
@@ -191,7 +164,7 @@ def test_exact_ties_on_decode_rows_resolve_as_hf(model_path, tmp_path):
     for h in handles:
         h.remove()
 
-    runner = make_runner(path)
+    runner = hf_ref.make_runner(path)
     indexer = runner.model.model.layers[0].self_attn.indexer
     scores, plain = [], indexer._scores
     indexer._scores = lambda *a: scores.append(plain(*a)) or scores[-1]

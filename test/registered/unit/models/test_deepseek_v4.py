@@ -25,11 +25,16 @@ from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.memory_pool.dsv4 import DeepSeekV4StatePool, LogicalAnchorPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_config import ModelConfig
-from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.srt.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4RowLayout
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import Driver, make_tiny_model
+from sglang.test.hf_reference import (
+    DSV4_ZERO_INITS,
+    hf_greedy,
+    load_hf,
+    randomize_zero_inits,
+)
+from sglang.test.hf_reference import make_runner as _make_runner
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,43 +46,20 @@ _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(5, 990, (n,), generator=_g).tolist() for n in (7, 150, 301)]
 
 
-def randomize_zero_inits(path: str, seed: int = 1) -> None:
-    """Give the tensors HF initializes to zeros values that matter, and save in place."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, model.config.n_routed_experts, tensor.shape, generator=gen))
-            elif name.endswith(("position_bias", "sinks", "e_score_correction_bias", "hc.base", "hc_base")):
-                tensor.copy_(0.5 * torch.randn(tensor.shape, generator=gen))
-    model.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = make_tiny_model(str(tmp_path_factory.mktemp("v4") / "v4"), "deepseek_v4", "--layers", "4")
-    randomize_zero_inits(path)
+    randomize_zero_inits(path, DSV4_ZERO_INITS)  # so every one of them changes the output
     return path
 
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    return load_hf(model_path)
 
 
 def make_runner(path, page_size=1, **kw):
-    kw.setdefault("max_total_tokens", 4096)
-    return ModelRunner(ModelRunnerConfig(path, device="cpu", page_size=page_size, max_running_requests=8, **kw))
-
-
-def hf_generate(hf, prompt, new_tokens=NEW_TOKENS):
-    """(tokens, per-step logits) of HF greedy generate."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]
+    return _make_runner(path, page_size, **kw)
 
 
 def assert_close(ours, ref, what):
@@ -119,7 +101,7 @@ def test_pool_layout_holds_the_v4_state(model_path):
 def test_prefill_and_chunked_decode_logits_match_hf(model_path, hf):
     runner = make_runner(model_path)
     prompt = PROMPTS[2]
-    tokens, hf_steps = hf_generate(hf, prompt)
+    tokens, hf_steps = hf_greedy(hf, prompt, NEW_TOKENS)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens])).logits[0]
     driver = Driver(runner)
@@ -143,7 +125,7 @@ def test_prefill_and_chunked_decode_logits_match_hf(model_path, hf):
 
 
 def test_greedy_matches_hf_generate_and_is_invariant(model_path, hf):
-    want = [hf_generate(hf, p)[0] for p in PROMPTS]
+    want = [hf_greedy(hf, p, NEW_TOKENS)[0] for p in PROMPTS]
     reference = Driver(make_runner(model_path)).generate(PROMPTS, NEW_TOKENS, batch=False)
     assert [[t for t, _ in out] for out in reference] == want
     assert len({t for out in want for t in out}) > 4, "degenerate generation"

@@ -19,8 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend, tree_sum_blocks
+from sglang.srt.layers.attention.torch_native_backend import (
+    TorchNativeAttnBackend,
+    tree_sum_blocks,
+)
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
@@ -28,10 +30,10 @@ from sglang.srt.mem_cache.memory_pool.mha import AsymmetricMHATokenToKVPool
 from sglang.srt.mem_cache.memory_pool.req_to_token import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_config import ModelConfig
-from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.engine_utils import Driver, make_tiny_model
+from sglang.test.hf_reference import greedy_steps, hf_greedy, load_hf
+from sglang.test.hf_reference import make_runner as _make_runner
 
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 register_cuda_ci(est_time=30, suite="per-commit-1-gpu")
@@ -63,27 +65,21 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager").eval()
+    return load_hf(model_path)
 
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model):
     """Per prompt: (generated tokens, logits of the prefill and of each decode step) from HF generate."""
     outs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            gen = hf_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW_TOKENS,
-                                    min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True,
-                                    pad_token_id=0)
-            outs.append((gen.sequences[0, len(prompt):].tolist(), torch.cat(gen.logits).float()))
+    for prompt in PROMPTS:
+        tokens, logits = hf_greedy(hf_model, prompt, NEW_TOKENS)
+        outs.append((tokens, torch.stack(logits).float()))
     return outs
 
 
 def make_runner(path, page_size=4, **kw):
-    return ModelRunner(ModelRunnerConfig(path, device=DEVICE, page_size=page_size, max_total_tokens=4096,
-                                         max_running_requests=8, **kw))
+    return _make_runner(path, page_size, device=DEVICE, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +88,8 @@ def runner(model_path):
 
 
 def greedy_step_logits(runner, prompt, steps):
-    """Our greedy tokens and the logits of the prefill and of each decode step."""
-    d = Driver(runner)
-    req = d.new_req(prompt)
-    out = d.extend([req], [len(prompt)])
-    rows, tokens = [out.next_token_logits[0]], []
-    for i in range(steps):
-        tokens.append(d.sample_greedy([req], out)[0][0])
-        if i + 1 < steps:
-            out = d.decode([req])
-            rows.append(out.next_token_logits[0])
-    d.release(req)
+    """Our greedy tokens and the logits of the prefill and of each decode step, (steps, V) on CPU."""
+    tokens, rows = greedy_steps(runner, prompt, steps)
     return tokens, torch.stack(rows).float().cpu()
 
 

@@ -36,6 +36,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
+from sglang.test.hf_reference import load_hf, make_runner
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")
 
@@ -54,15 +55,12 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(model_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager").eval()
+    return load_hf(model_path)
 
 
 @pytest.fixture(scope="module")
 def runner(model_path):
-    return ModelRunner(ModelRunnerConfig(model_path, device=DEVICE, page_size=4, max_total_tokens=2048,
-                                         max_running_requests=8))
+    return make_runner(model_path, device=DEVICE, max_total_tokens=2048)
 
 
 class StateDriver:

@@ -1,6 +1,6 @@
 """Prefill half of KV movement: which route a chunk takes to one destination, and its bytes.
 
-Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``config``, ``_post``,
+Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``copy_thread``, ``config``, ``_post``,
 ``_track``, ``check`` and ``finish``, and counts every posted WRITE in ``route_counts``.
 
 One descriptor costs a fixed few microseconds on UCX/CMA whatever its size, so the route is the
@@ -13,6 +13,8 @@ is used (``DstInfo.staging_offset``); this side decides whether to pack locally 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -41,6 +43,21 @@ class KVRoute(str, Enum):
     TOKEN_SLICE = "token_slice"  # one descriptor per (buffer, token): send_kvcache_slice
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One WRITE of a staged chunk: ``pages`` (source page ids) as request pages from
+    ``first_page``, into the decode's staging (``dst_pages`` None) or its pool pages; ``pack``:
+    gather into local staging first."""
+
+    dst: DstInfo
+    peer: dict
+    pages: np.ndarray
+    dst_pages: np.ndarray | None
+    first_page: int
+    is_last: bool
+    pack: bool
+
+
 class KVRoutesMixin:
     def _kv_notif(self, room: PrefillRoom, dst: DstInfo, is_last: bool, first_page: int, num_pages: int) -> Notif:
         """The next KV chunk tag for ``dst`` (chunk ids count per destination)."""
@@ -49,27 +66,30 @@ class KVRoutesMixin:
         return notif
 
     def send_kvcache(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
-                     dst_pages: np.ndarray, first_page: int, is_last: bool) -> None:
+                     dst_pages: np.ndarray, first_page: int, is_last: bool) -> list[Piece]:
         """Post the KV of one chunk: ``src_pages`` (this rank's page ids) to ``dst_pages`` (the
-        decode's), request pages [first_page, first_page + n); appends every posted Transfer to
-        ``room.handles`` at once."""
+        decode's), request pages [first_page, first_page + n). Direct routes post at once (every
+        Transfer appended to ``room.handles``); staged ones come back as pieces for
+        ``post_pieces``, which pipelines the pieces of every destination of the chunk."""
         hs = dst.head_slice
         if dst.staging_offset >= 0 and src_pages.size:
-            return self._send_staged(room, dst, peer, src_pages, first_page, is_last)
+            return self._staged_pieces(dst, peer, src_pages, first_page, is_last)
         if hs is None or src_pages.size == 0:
             self.route_counts[KVRoute.PAGES] += 1
             descs = kv_page_descs(self.args.kv_data_ptrs, peer["kv_ptrs"], self.args.kv_item_lens, self.args.page_size,
                                   src_pages, dst_pages)
             notif = self._kv_notif(room, dst, is_last, first_page, src_pages.size)
-            return self._track(room, self._post(dst.agent_name, descs, notif))
+            self._track(room, self._post(dst.agent_name, descs, notif))
+            return []
         if hs.num_heads == hs.dst_heads and self.staging is not None:
-            return self._send_pieces(room, dst, peer, src_pages, dst_pages, first_page, is_last)
+            return self._pieces(dst, peer, src_pages, dst_pages, first_page, is_last)
         self.route_counts[KVRoute.TOKEN_SLICE] += 1
         notif = self._kv_notif(room, dst, is_last, first_page, src_pages.size)
         self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, notif))
+        return []
 
-    def _send_staged(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray, first_page: int,
-                     is_last: bool) -> None:
+    def _staged_pieces(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, first_page: int,
+                       is_last: bool) -> list[Piece]:
         """Into the decode's staging, piece by piece so that decode scatters one piece while the
         next is on the wire: packed when source tokens are cut or the direct runs are short,
         else runs of source pages."""
@@ -78,7 +98,7 @@ class KVRoutesMixin:
         direct = page_run_count(src_pages) * len(self.args.kv_data_ptrs)
         nbytes = dst.layout.nbytes(src_pages.size * self.args.page_size)
         pack = self.staging is not None and (not whole_src or direct * self.config.descriptor_cost_bytes > nbytes)
-        self._send_pieces(room, dst, peer, src_pages, None, first_page, is_last, pack)
+        return self._pieces(dst, peer, src_pages, None, first_page, is_last, pack)
 
     def _post_into_decode_staging(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
                                   first_page: int, notif: Notif) -> None:
@@ -92,40 +112,74 @@ class KVRoutesMixin:
                                    first_page, dst.layout.widths)
         self._track(room, self._post(dst.agent_name, descs, notif))
 
-    def _send_pieces(self, room: PrefillRoom, dst: DstInfo, peer: dict, src_pages: np.ndarray,
-                     dst_pages: np.ndarray | None, first_page: int, is_last: bool, pack: bool = True) -> None:
-        """Post the chunk in pieces of ``pack_chunk_bytes``, one WRITE and notification each:
-        into the decode's staging (``dst_pages`` None), else as whole destination pages. With
-        ``pack`` a piece is first gathered into local staging and travels as one run per buffer;
-        a piece that finds no staging room, or without ``pack``, goes by direct descriptors."""
-        page_size, layout = self.args.page_size, dst.layout
-        step = max(1, self.config.pack_chunk_bytes // max(1, layout.nbytes(page_size)))
-        for lo in range(0, src_pages.size, step):
-            pages = src_pages[lo:lo + step]
-            tokens, last = pages.size * page_size, is_last and lo + step >= src_pages.size
-            notif = self._kv_notif(room, dst, last, first_page + lo, pages.size)
-            nbytes = layout.nbytes(tokens)
-            off = self._alloc_staging(room, nbytes) if pack else None
-            if off is None:
-                if pack:
-                    logger.debug("%s: staging full (%d bytes wanted); direct descriptors", self.agent_name, nbytes)
-                if dst_pages is None:
-                    self._post_into_decode_staging(room, dst, peer, pages, first_page + lo, notif)
+    def _pieces(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, dst_pages: np.ndarray | None,
+                first_page: int, is_last: bool, pack: bool = True) -> list[Piece]:
+        """The chunk cut in pieces of ``pack_chunk_bytes`` (see ``post_pieces``)."""
+        step = max(1, self.config.pack_chunk_bytes // max(1, dst.layout.nbytes(self.args.page_size)))
+        return [Piece(dst, peer, src_pages[lo:lo + step], None if dst_pages is None else dst_pages[lo:lo + step],
+                      first_page + lo, is_last and lo + step >= src_pages.size, pack)
+                for lo in range(0, src_pages.size, step)]
+
+    def post_pieces(self, room: PrefillRoom, pieces: list[Piece]) -> None:
+        """Post each piece as one WRITE and notification: into the decode's staging
+        (``dst_pages`` None), else as whole destination pages. A ``pack`` piece is first gathered
+        into local staging and travels as one run per buffer; one that finds no staging room, or
+        without ``pack``, goes by direct descriptors.
+
+        Gathers run on the copy thread one piece ahead, across destinations: UCX/CMA copies a
+        WRITE's bytes inside ``transfer()`` with the GIL released, so piece k+1 is gathered while
+        piece k is on the wire (and decode scatters piece k-1 meanwhile)."""
+        page_size = self.args.page_size
+        ahead: dict[int, tuple[int, int, Future]] = {}  # piece index -> gather under way (offset, bytes, future)
+        try:
+            for i, pc in enumerate(pieces):
+                dst, peer, layout, tokens = pc.dst, pc.peer, pc.dst.layout, pc.pages.size * page_size
+                notif = self._kv_notif(room, dst, pc.is_last, pc.first_page, pc.pages.size)
+                gather = (ahead.pop(i, None) or self._start_gather(room, layout, pc.pages)) if pc.pack else None
+                if gather is None:
+                    if pc.pack:
+                        logger.debug("%s: staging full (%d bytes wanted); direct descriptors", self.agent_name,
+                                     layout.nbytes(tokens))
+                    if pc.dst_pages is None:
+                        self._post_into_decode_staging(room, dst, peer, pc.pages, pc.first_page, notif)
+                    else:
+                        self.route_counts[KVRoute.TOKEN_SLICE] += 1
+                        self._track(room, self.send_kvcache_slice(dst, peer, pc.pages, pc.dst_pages, notif))
+                    continue
+                off, nbytes, future = gather
+                ahead[i] = gather  # until posted: freed below if anything fails first
+                future.result()
+                nxt = pieces[i + 1] if i + 1 < len(pieces) else None
+                if nxt is not None and nxt.pack:
+                    started = self._start_gather(room, nxt.dst.layout, nxt.pages)
+                    if started is not None:
+                        ahead[i + 1] = started
+                del ahead[i]  # _post owns the range from here (frees it on failure)
+                local = self.staging.ptr + off
+                if pc.dst_pages is None:
+                    self.route_counts[KVRoute.PACKED] += 1
+                    descs = staged_run_descs(layout.widths, local, tokens, 0, peer["staging_ptr"] + dst.staging_offset,
+                                             dst.page_ids.size * page_size, pc.first_page * page_size, tokens)
                 else:
-                    self.route_counts[KVRoute.TOKEN_SLICE] += 1
-                    self._track(room, self.send_kvcache_slice(dst, peer, pages, dst_pages[lo:lo + step], notif))
-                continue
-            self.copier(layout).gather(pages, self.staging.tensor[off:off + nbytes], tokens)
-            local = self.staging.ptr + off
-            if dst_pages is None:
-                self.route_counts[KVRoute.PACKED] += 1
-                descs = staged_run_descs(layout.widths, local, tokens, 0, peer["staging_ptr"] + dst.staging_offset,
-                                         dst.page_ids.size * page_size, (first_page + lo) * page_size, tokens)
-            else:
-                self.route_counts[KVRoute.GATHER] += 1
-                descs = kv_page_descs(staged_bases(local, tokens, layout.widths), peer["kv_ptrs"], layout.widths,
-                                      page_size, np.arange(pages.size), dst_pages[lo:lo + step])
-            self._track(room, self._post(dst.agent_name, descs, notif, staging=(off, nbytes)))
+                    self.route_counts[KVRoute.GATHER] += 1
+                    descs = kv_page_descs(staged_bases(local, tokens, layout.widths), peer["kv_ptrs"], layout.widths,
+                                          page_size, np.arange(pc.pages.size), pc.dst_pages)
+                self._track(room, self._post(dst.agent_name, descs, notif, staging=(off, nbytes)))
+        finally:
+            for off, nbytes, future in ahead.values():  # only after an error: gathers never posted
+                wait([future])
+                self.staging.free(off, nbytes)
+
+    def _start_gather(self, room: PrefillRoom, layout, pages: np.ndarray) -> tuple[int, int, Future] | None:
+        """Allocate local staging for ``pages`` and gather them into it on the copy thread:
+        (offset, bytes, future), or None when staging has no room."""
+        tokens = pages.size * self.args.page_size
+        nbytes = layout.nbytes(tokens)
+        off = self._alloc_staging(room, nbytes)
+        if off is None:
+            return None
+        area = self.staging.tensor[off:off + nbytes]
+        return off, nbytes, self.copy_thread.submit(self.copier(layout).gather, pages, area, tokens)
 
     def _alloc_staging(self, room: PrefillRoom, nbytes: int) -> int | None:
         """A local staging range; first releases this room's finished WRITEs when full."""

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -59,6 +60,8 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
             enable_prog_thread=config.nixl_progress_thread, backends=["UCX"]))
         self.pool = PoolBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self._copiers: dict[SliceLayout, SliceCopier] = {}
+        # Prefill gathers the next staged piece here while the current one is on the wire.
+        self.copy_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.agent_name}-copy")
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
         regions = [
@@ -205,8 +208,9 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
             return len(self.prefill_rooms) + len(self.decode_rooms)
 
     def close(self) -> None:
-        """Stop the control channel, release every handle and deregister memory."""
+        """Stop the control channel and copy thread, release every handle and deregister memory."""
         self.control.close()
+        self.copy_thread.shutdown(wait=True)
         with self._lock:
             for room in self.prefill_rooms.values():
                 for transfer in room.handles:

@@ -225,10 +225,14 @@ class PrefillSideMixin:
             if dst.send_kv and dst.page_ids.size != room.num_pages:
                 raise KVTransferError(f"decode {dst.agent_name} gave {dst.page_ids.size} pages, "
                                       f"prefill has {room.num_pages}")
+        pieces = []  # staged KV of every destination, pipelined together
+        for dst in dsts:
+            if dst.send_kv:
+                pieces += self.send_kvcache(room, dst, self.decode_peers[dst.agent_name], src_pages,
+                                            dst.page_ids[lo:hi], lo, is_last)
+        self.post_pieces(room, pieces)
         for dst in dsts:
             peer = self.decode_peers[dst.agent_name]
-            if dst.send_kv:
-                self.send_kvcache(room, dst, peer, src_pages, dst.page_ids[lo:hi], lo, is_last)
             if is_last and dst.send_state:
                 if state_slots is None or state_slots.size != dst.state_slots.size:
                     raise KVTransferError(f"decode {dst.agent_name} expects {dst.state_slots.size} state slots, "
