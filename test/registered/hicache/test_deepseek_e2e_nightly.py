@@ -1,8 +1,9 @@
 """DeepSeek, the longer stories:
 
 * NIXL L3 for DeepSeek-V2 at TP=2: the MLA latent is replicated over the ranks, so only TP rank 0
-  backs pages up (rank 0 counts every page written, none skipped, and the store holds exactly
-  one ``_k`` object per page it wrote: no rank wrote under a key of its own); a TP=1 server then
+  backs pages up (counted per rank through ``storage_per_rank``: rank 0 wrote every page and
+  skipped none, rank 1 wrote none and skipped as many; the store holds exactly one ``_k`` object
+  per page rank 0 wrote: no rank wrote under a key of its own); a TP=1 server then
   opens the same directory and serves the conversation from it (storage hits), token-identical
   to the reference.
   DeepSeek-V3.2 the same, its DSA indexer sidecar backed up with the latent (rank 0 only too).
@@ -54,8 +55,11 @@ def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
         tp2 = run_workload(srv, **WORKLOAD)
         written = wait_backed_up(srv)
         stats = storage_stats(srv)
+        rank0, rank1 = srv.get("/get_server_info").json()["scheduler"]["storage_per_rank"]
     assert_same_tokens(ref, tp2, logprob_tol=TP_LOGPROB_TOL)
     assert written > 0 and stats.get("pages_skipped", 0) == 0, stats  # rank 0 wrote every page itself
+    assert rank0.get("pages_written") == written and rank0.get("pages_skipped", 0) == 0, rank0
+    assert rank1.get("pages_written", 0) == 0 and rank1.get("pages_skipped", 0) == written, rank1
     objects = [p for p in glob.glob(os.path.join(store, "**", "*"), recursive=True) if os.path.isfile(p)]
     by_suffix = {}
     for p in objects:
