@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals
@@ -46,6 +47,19 @@ def storage_stats(server) -> dict:
     return server.get("/get_server_info").json()["scheduler"]["storage"]
 
 
+def settled_per_rank(server, written: int, timeout: float = 30) -> list[dict]:
+    """Each rank's L3 counters once rank 1 has gone through as many pages as rank 0 wrote (its
+    backups run on its own thread, so it may lag rank 0's by a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = server.get("/get_server_info").json()["scheduler"]["storage_per_rank"]
+        if ranks[1].get("pages_skipped", 0) + ranks[1].get("pages_written", 0) >= written:
+            return ranks
+        if time.monotonic() > deadline:
+            return ranks  # the assertions below report the counts
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v32"])
 def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
     pytest.importorskip("nixl")
@@ -55,7 +69,7 @@ def test_nixl_tp2_rank0_writes_then_tp1_reads(models, tmp_path, arch):
         tp2 = run_workload(srv, **WORKLOAD)
         written = wait_backed_up(srv)
         stats = storage_stats(srv)
-        rank0, rank1 = srv.get("/get_server_info").json()["scheduler"]["storage_per_rank"]
+        rank0, rank1 = settled_per_rank(srv, written)
     assert_same_tokens(ref, tp2, logprob_tol=TP_LOGPROB_TOL)
     assert written > 0 and stats.get("pages_skipped", 0) == 0, stats  # rank 0 wrote every page itself
     assert rank0.get("pages_written") == written and rank0.get("pages_skipped", 0) == 0, rank0
