@@ -197,6 +197,59 @@ def test_error_after_a_finished_transfer_frees_each_staging_range_once():
 
 
 
+def test_gathers_run_one_piece_ahead_across_destinations():
+    # 1 -> 2 in one-page pieces (7 per decode rank): each piece's gather is started before the
+    # piece before it is posted, also from decode rank 0's last piece to decode rank 1's first
+    with cluster(1, 2, 4, PIECES) as (cfg, server, prefill, decode):
+        mgr, events = prefill[0][0], []
+        start_gather, post = mgr._start_gather, mgr._post
+
+        def logged_start(room, layout, pages):
+            events.append("gather")
+            return start_gather(room, layout, pages)
+
+        def logged_post(remote, descs, notif, staging=None):
+            events.append(remote)
+            return post(remote, descs, notif, staging)
+
+        mgr._start_gather, mgr._post = logged_start, logged_post
+        senders, recvs = start(cfg, server, prefill, decode)
+        senders[0].send(cfg["src_pages"])
+        wait_all(senders + recvs, KVPoll.Success)
+        posts = [decode[0][0].agent_name] * 7 + [decode[1][0].agent_name] * 7  # piece k goes to posts[k]
+        assert events[:28] == ["gather"] + [x for name in posts[:-1] for x in ("gather", name)] + [posts[-1]]
+        for r, (_, (kv, state, aux)) in enumerate(decode):
+            assert check_decode(cfg, kv, state, aux, 2, r, 1) == []
+        assert mgr.route_counts == Counter({KVRoute.PACKED: 14})
+
+
+def test_failed_gather_fails_the_room_and_frees_all_staging():
+    with cluster(1, 2, 4, PIECES) as (cfg, server, prefill, decode):
+        mgr, calls = prefill[0][0], []
+        real_copier = mgr.copier
+
+        class FailingThird:
+            def __init__(self, copier):
+                self.copier = copier
+
+            def gather(self, *args):
+                calls.append(1)
+                if len(calls) == 3:
+                    raise RuntimeError("injected gather failure")
+                self.copier.gather(*args)
+
+        mgr.copier = lambda layout: FailingThird(real_copier(layout))
+        senders, recvs = start(cfg, server, prefill, decode)
+        senders[0].send(cfg["src_pages"])
+        assert senders[0].poll() == KVPoll.Failed
+        assert "injected gather failure" in str(senders[0].failure_exception())
+        assert len(calls) == 3 and mgr.route_counts == Counter({KVRoute.PACKED: 2})
+        assert mgr.staging.free_bytes() == mgr.staging.nbytes
+        wait_all(recvs, KVPoll.Failed)  # decode hears ABORT
+        for m, _ in decode:
+            assert m.staging.free_bytes() == m.staging.nbytes
+
+
 def test_request_without_pages_completes_on_a_bare_notification():
     # regression: a bare notification (no bytes) as the first message to a decode was never
     # progressed on the prefill side (no handle to check), so decode timed out

@@ -7,6 +7,8 @@ the reference byte for byte, a scatter must write exactly the slice bytes of exa
 pages, and gather-then-scatter into a second pool must reproduce the slices.
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -14,12 +16,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.disaggregation.base import TransferConfig
+from sglang.srt.disaggregation.common import staging
 from sglang.srt.disaggregation.common.staging import PoolBuffers, SliceCopier, SliceLayout
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
 
 NUM_PAGES = 6
+PATHS = [False, True] if staging._native is not None else [False]  # NATIVE_COPY values to run
+
+
+@contextlib.contextmanager
+def copy_path(native: bool):
+    saved, staging.NATIVE_COPY = staging.NATIVE_COPY, native
+    try:
+        yield
+    finally:
+        staging.NATIVE_COPY = saved
 
 
 def make_pool(item_lens, page_size: int, seed: int, guard: int = 8):
@@ -63,6 +76,12 @@ def cases(draw):
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
 @given(cases())
 def test_gather_then_scatter_matches_brute_force(case):
+    for native in PATHS:
+        with copy_path(native):
+            check_gather_then_scatter(case)
+
+
+def check_gather_then_scatter(case):
     item_lens, heads, head_offset, num_heads, page_size, pages, first_page = case
     layout = SliceLayout.of_heads(item_lens, heads, head_offset, num_heads)
     tensors, pool = make_pool(item_lens, page_size, seed=len(pages) * 31 + head_offset)
@@ -110,6 +129,26 @@ def test_empty_page_list_copies_nothing():
     copier.gather(np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.uint8), 0)
     copier.scatter(np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.uint8), 0)
     assert torch.equal(tensors[0], before)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_copies_refuse_an_area_too_small_and_copy_nothing(native):
+    tensors, pool = make_pool([16, 32], 2, seed=3)
+    copier = SliceCopier(pool, SliceLayout.of_heads([16, 32], 4, 1, 2), 2)
+    pages = np.array([4, 1], dtype=np.int64)
+    short = torch.full((copier.layout.nbytes(4) - 1,), 0xCD, dtype=torch.uint8)
+    before = [t.clone() for t in tensors]
+    with copy_path(native):
+        with pytest.raises(ValueError, match="cannot hold tokens"):
+            copier.gather(pages, short, 4)
+        with pytest.raises(ValueError, match="cannot hold tokens"):
+            copier.scatter(pages, short, 4)
+        with pytest.raises(ValueError, match=r"cannot hold tokens \[2, 6\) of 4"):
+            copier.gather(pages, torch.zeros(copier.layout.nbytes(4), dtype=torch.uint8), 4, first_token=2)
+        with pytest.raises(ValueError, match="contiguous CPU uint8"):
+            copier.gather(pages, torch.zeros(copier.layout.nbytes(4) // 2, dtype=torch.int16), 4)
+    assert bool((short == 0xCD).all()), "a refused gather wrote into the area"
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before)), "a refused scatter wrote into the pool"
 
 
 @pytest.mark.parametrize("field,value", [("staging_bytes", -1), ("descriptor_cost_bytes", -1),

@@ -128,6 +128,7 @@ class SliceCopier:
         pool; writes only the area."""
         if not pages.size:
             return
+        self._check_area(pages, area, area_tokens, first_token)
         if NATIVE_COPY:
             return self._native(pages, area, area_tokens, first_token, to_area=True)
         for rows, dst, idx in self._pairs(pages, area, area_tokens, first_token):
@@ -138,17 +139,26 @@ class SliceCopier:
         every token of ``pages``. Mutates the pool; reads only the area."""
         if not pages.size:
             return
+        self._check_area(pages, area, area_tokens, first_token)
         if NATIVE_COPY:
             return self._native(pages, area, area_tokens, first_token, to_area=False)
         for rows, src, idx in self._pairs(pages, area, area_tokens, first_token):
             rows.numpy()[idx.numpy()] = src.numpy()
 
-    def _native(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int,
-                to_area: bool) -> None:
-        """Gather (``to_area``) or scatter with one ``copy_ranges`` per buffer; ``copy_ranges``
-        checks every range against both buffers before copying (ValueError, nothing copied)."""
+    def _check_area(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int) -> None:
+        """ValueError, before anything is copied, unless ``area`` is a contiguous CPU uint8
+        tensor holding ``area_tokens`` tokens of which the copied ones are a part."""
         if area.dtype != torch.uint8 or not area.is_contiguous() or area.device.type != "cpu":
             raise ValueError(f"staged area must be a contiguous CPU uint8 tensor, got {area.dtype} on {area.device}")
+        need, end = self.layout.nbytes(area_tokens), first_token + pages.size * self.page_size
+        if area.numel() < need or first_token < 0 or end > area_tokens:
+            raise ValueError(f"staged area of {area.numel()} bytes cannot hold tokens [{first_token}, {end}) of "
+                             f"{area_tokens} ({need} bytes needed)")
+
+    def _native(self, pages: np.ndarray, area: torch.Tensor, area_tokens: int, first_token: int,
+                to_area: bool) -> None:
+        """Gather (``to_area``) or scatter with one ``copy_ranges`` per buffer, which checks
+        every range of its buffer against both sides before copying (ValueError)."""
         pages = np.ascontiguousarray(pages, dtype=np.int64)
         page_size, area_ptr, area_len = self.page_size, area.data_ptr(), area.numel()
         pos = {}  # ranges per buffer: pages (whole) or tokens (cut), as positions in the area

@@ -1,7 +1,9 @@
 """Prefill half of KV movement: which route a chunk takes to one destination, and its bytes.
 
-Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``copy_thread``, ``config``, ``_post``,
-``_track``, ``check`` and ``finish``, and counts every posted WRITE in ``route_counts``.
+Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``copy_thread``, ``config``,
+``_post``, ``_track``, ``check`` and ``finish``, and counts every posted WRITE in ``route_counts``.
+Staged routes come back from ``send_kvcache`` as pieces; ``post_pieces`` posts the pieces of all
+destinations of a chunk as one pipeline (each gather one piece ahead of the WRITEs).
 
 One descriptor costs a fixed few microseconds on UCX/CMA whatever its size, so the route is the
 cheapest of: direct descriptors (one per run of pages, or per token when heads are cut), or
@@ -19,6 +21,7 @@ from enum import Enum
 
 import numpy as np
 
+from sglang.srt.disaggregation.base.conn import KVTransferError
 from sglang.srt.disaggregation.common.descriptors import (
     into_staging_descs,
     kv_page_descs,
@@ -148,7 +151,11 @@ class KVRoutesMixin:
                     continue
                 off, nbytes, future = gather
                 ahead[i] = gather  # until posted: freed below if anything fails first
-                future.result()
+                try:
+                    future.result()
+                except Exception as exc:  # a copy error fails the room (ABORT to decode), not the caller
+                    raise KVTransferError(f"gathering {nbytes} staged bytes for {dst.agent_name} failed: "
+                                          f"{exc!r}") from exc
                 nxt = pieces[i + 1] if i + 1 < len(pieces) else None
                 if nxt is not None and nxt.pack:
                     started = self._start_gather(room, nxt.dst.layout, nxt.pages)

@@ -1,10 +1,11 @@
 """NixlKVManager: one rank's NIXL agent, control channel and room bookkeeping.
 
 Prefill: registers with the bootstrap server, accepts decode REGISTER / REQUEST messages, and
-writes KV with NIXL WRITE + a notification tag (``send_kvcache`` and its routes in
-``kv_routes.py``; ``send_state``, ``send_aux`` here). Decode: resolves prefill ranks through the
-bootstrap server, registers its buffers with each, files arriving notifications into per-room
-``TransferStatus`` and scatters staged KV chunks as they land. Either side fails every room of a
+writes KV with NIXL WRITE + a notification tag (``send_kvcache`` / ``post_pieces`` and the routes
+in ``kv_routes.py``, staged gathers on ``copy_thread``; ``send_state``, ``send_aux`` here).
+Decode: resolves prefill ranks through the bootstrap server, registers its buffers with each,
+files arriving notifications into per-room ``TransferStatus`` and scatters staged KV chunks as
+they land. Either side fails every room of a
 peer that stops heartbeating, and tells the other side (ABORT) when a room fails locally. All
 room state is guarded by ``self._lock``; NIXL agent calls happen under it too.
 """
