@@ -234,16 +234,23 @@ class Scheduler:
         self.tree_cache.cache_controller.flush_writes()
 
     def _ack_finished_writes(self) -> bool:
-        """Consume host writes that finished since the step began (they hold their nodes locked,
-        so unevictable); True when that unlocked any. Without it, a write that lands while this
-        step is being planned keeps its memory from the waiting requests for a whole step (a
-        tight device pool then admitted 1-2 requests per prefill where HiCache off admits 3).
-        Every TP rank reaches this at the same point: admission decisions are agreed."""
+        """Unlock memory held by host writes in flight, for a request that found none: consume
+        the writes that finished since the step began, else wait for the ones in flight (the
+        wait releases the GIL, so the write lane runs at once; the copies are what the device
+        pool's eviction needs anyway). True when that unlocked any node.
+
+        Write-through locks a node until its host copy is acknowledged, so its memory is not
+        evictable meanwhile; without this a tight device pool admitted 1-2 requests per prefill
+        where HiCache off admits 3 (issue 9). Every TP rank reaches this at the same point:
+        admission decisions are agreed, and check_hicache_events agrees on the acks."""
         if not self.hicache or not self.tree_cache.ongoing_write_through:
             return False
-        before = len(self.tree_cache.ongoing_write_through)
-        self.tree_cache.check_hicache_events()
-        return len(self.tree_cache.ongoing_write_through) < before
+        tree = self.tree_cache
+        before = len(tree.ongoing_write_through)
+        tree.check_hicache_events()
+        if len(tree.ongoing_write_through) == before:
+            self.slots.flush_host_writes()
+        return len(tree.ongoing_write_through) < before
 
     def _waiting_on_host_writes(self) -> bool:
         """Requests wait while device->host writes hold nodes locked (same on every TP rank)."""
