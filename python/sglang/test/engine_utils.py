@@ -133,3 +133,37 @@ class Driver:
         for r in reqs:
             self.release(r)
         return results
+
+
+TP_WORKER = os.path.join(REPO_ROOT, "test", "registered", "unit", "model_executor", "tp_worker.py")
+
+
+def run_tp_workers(models: list[str], prompts: list[list[int]], new_tokens: int, out_file: str, tp_size: int = 2,
+                   timeout_s: float = 240) -> dict:
+    """Run ``tp_worker.py`` on ``tp_size`` gloo ranks (one process each) over ``models``; returns
+    what rank 0 wrote to ``out_file``: per model, the prefill logits and greedy outputs."""
+    import json
+    import subprocess
+    import sys
+
+    from sglang.test.multiprocess import free_port
+
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = []
+    try:
+        for rank in range(tp_size):
+            cmd = [sys.executable, TP_WORKER, "--rank", str(rank), "--tp-size", str(tp_size), "--port", str(port),
+                   "--models", *models, "--prompts", json.dumps(prompts), "--new-tokens", str(new_tokens),
+                   "--out", out_file]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for rank, proc in enumerate(procs):
+            output, _ = proc.communicate(timeout=timeout_s)
+            assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    with open(out_file) as f:
+        return json.load(f)

@@ -5,6 +5,7 @@ with. Servers start in parallel (each start is mostly model loading and imports)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -146,3 +147,13 @@ def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, pro
         for proc in (router, prefill, decode):
             if proc is not None:
                 proc.stop()
+
+
+@contextlib.contextmanager
+def reference_server(model: str, log_dir: str):
+    """A plain (non-PD) tp1 server of ``model``: the token reference of the PD pair tests."""
+    (srv,) = launch_servers(model, [()], log_dir=log_dir)
+    try:
+        yield srv
+    finally:
+        srv.stop()

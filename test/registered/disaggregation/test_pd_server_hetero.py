@@ -7,7 +7,7 @@ server, and both PD servers settle clean (no room open, no failure, idle integri
 
 import pytest
 
-from pd_cluster import check_pd_pair, launch_servers
+from pd_cluster import check_pd_pair, reference_server
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
@@ -23,11 +23,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
-    (srv,) = launch_servers(model, [()], log_dir=str(tmp_path_factory.mktemp("logs")))
-    try:
+    with reference_server(model, str(tmp_path_factory.mktemp("logs"))) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (1, 1)],

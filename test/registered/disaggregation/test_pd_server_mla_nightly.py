@@ -6,7 +6,7 @@ a model with a sidecar pool (DeepSeek-V3.2's indexer keys) is refused at start-u
 
 import pytest
 
-from pd_cluster import check_pd_pair, launch_servers
+from pd_cluster import check_pd_pair, reference_server
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import run_launcher
@@ -23,11 +23,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory):
-    (srv,) = launch_servers(model, [()], log_dir=str(tmp_path_factory.mktemp("logs")))
-    try:
+    with reference_server(model, str(tmp_path_factory.mktemp("logs"))) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (2, 1), (1, 2)],

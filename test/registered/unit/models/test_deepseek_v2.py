@@ -25,7 +25,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.test import hf_reference as hf_ref
 from sglang.test.ci.ci_register import register_cpu_ci
-from sglang.test.engine_utils import Driver, make_tiny_model
+from sglang.test.engine_utils import Driver, make_tiny_model, run_tp_workers
 
 transformers = pytest.importorskip("transformers")
 
@@ -206,32 +206,9 @@ def test_moe_rows_do_not_depend_on_the_batch(scoring_func, topk_method):
 def test_tp2_matches_tp1(models, tmp_path):
     """TP=2 over gloo (heads, experts' intermediate dims sharded; latent and indexer replicated):
     the same greedy tokens as TP=1, logits and logprobs within 1e-4 (all-reduce order). V3.2 too."""
-    import json
-    import subprocess
-    import sys
-
-    from sglang.test.engine_utils import REPO_ROOT
-    from sglang.test.multiprocess import free_port
-
     paths = [models["deepseek_v2"], models["deepseek_v3"], make_tiny_model(str(tmp_path / "v32"), "deepseek_v32")]
-    worker = os.path.join(REPO_ROOT, "test", "registered", "unit", "model_executor", "tp_worker.py")
-    out_file, port, prompts = str(tmp_path / "tp2.json"), free_port(), PROMPTS[1:]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, worker, "--rank", str(rank), "--tp-size", "2", "--port", str(port),
-                               "--models", *paths, "--prompts", json.dumps(prompts), "--new-tokens", "4",
-                               "--out", out_file], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    try:
-        for rank, proc in enumerate(procs):
-            output, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    with open(out_file) as f:
-        tp2 = json.load(f)
+    prompts = PROMPTS[1:]
+    tp2 = run_tp_workers(paths, prompts, 4, str(tmp_path / "tp2.json"))
     for path in paths:
         driver = Driver(ModelRunner(ModelRunnerConfig(path, max_total_tokens=4096, max_running_requests=8)))
         reqs = [driver.new_req(p) for p in prompts]
