@@ -1,9 +1,9 @@
 """NixlKVManager with real NIXL agents (two in one process, UCX loopback): refusals at
 bootstrap, malformed input dropped without harm, timeout, abort, bad requests."""
 
-import time
-
 import logging
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -231,6 +231,36 @@ def test_unreachable_bootstrap_fails_after_timeout_with_reason():
         assert "unreachable" in str(recv.failure_exception())
     finally:
         decode.close()
+
+
+def test_slow_bootstrap_lookup_never_blocks_poll(monkeypatch):
+    """A lookup against a prefill server that does not answer waits out the HTTP timeout; it runs
+    on the manager's lookup thread, so the receiver's constructor and polls (the decode
+    scheduler's loop) return at once meanwhile, and the room still bootstraps once it answers."""
+    server = NixlKVBootstrapServer()
+    prefill, *_ = make(DisaggregationMode.PREFILL, server.addr)
+    decode, *_ = make(DisaggregationMode.DECODE, None)
+    real, release = decode.resolve_targets, threading.Event()
+
+    def stalled(addr):
+        release.wait(10)  # a peer that takes its time
+        return real(addr)
+
+    monkeypatch.setattr(decode, "resolve_targets", stalled)
+    try:
+        t0 = time.monotonic()
+        recv = NixlKVReceiver(decode, server.addr, 55)
+        polls = [recv.poll() for _ in range(20)]
+        assert time.monotonic() - t0 < 1.0, "a poll waited for the lookup"
+        assert set(polls) == {KVPoll.Bootstrapping}
+        release.set()
+        NixlKVSender(prefill, server.addr, 55).init(1)
+        assert until(recv.poll, {KVPoll.WaitingForInput, KVPoll.Failed}) == KVPoll.WaitingForInput
+    finally:
+        release.set()
+        decode.close()
+        prefill.close()
+        server.close()
 
 
 def test_late_request_for_a_failed_room_is_answered_with_abort():

@@ -119,16 +119,28 @@ class NixlKVReceiver(_RoomEnd, BaseKVReceiver):
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
         self._room = mgr.decode_room(self.room, bootstrap_addr)
         self._next_try = 0.0
+        self._lookup = None  # the bootstrap lookup in flight on the manager's lookup thread
         self._try_bootstrap()
 
     def _try_bootstrap(self) -> None:
-        """Resolve targets (blocking HTTP, rate-limited to every 50 ms). An unreachable server is
-        retried (prefill may still be starting); an incompatible one fails the room."""
-        if self._room.targets is not None or time.monotonic() < self._next_try:
+        """Resolve targets on the manager's lookup thread (blocking HTTP: against a dead prefill
+        server each attempt waits out the client timeout, which must not stall the scheduler
+        loop that polls this receiver), one attempt at a time, at most every 50 ms. An
+        unreachable server is retried (prefill may still be starting); an incompatible one
+        fails the room."""
+        if self._room.targets is not None:
             return
-        self._next_try = time.monotonic() + 0.05
+        if self._lookup is None:
+            if time.monotonic() < self._next_try:
+                return
+            self._next_try = time.monotonic() + 0.05
+            self._lookup = self.mgr.lookup_thread.submit(self.mgr.resolve_targets, self.bootstrap_addr)
+            return
+        if not self._lookup.done():
+            return
+        lookup, self._lookup = self._lookup, None
         try:
-            targets = self.mgr.resolve_targets(self.bootstrap_addr)
+            targets = lookup.result()
         except IncompatiblePeerError as exc:
             with self.mgr._lock:
                 self.mgr._fail_decode_room(self._room, str(exc), tell_prefill=False)

@@ -63,6 +63,9 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         self._copiers: dict[SliceLayout, SliceCopier] = {}
         # Prefill gathers the next staged piece here while the current one is on the wire.
         self.copy_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.agent_name}-copy")
+        # decode: bootstrap lookups are blocking HTTP (up to the client timeout against a dead
+        # prefill server); they run here so a receiver's poll never blocks the scheduler loop
+        self.lookup_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.agent_name}-lookup")
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
         regions = [
@@ -212,6 +215,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         """Stop the control channel and copy thread, release every handle and deregister memory."""
         self.control.close()
         self.copy_thread.shutdown(wait=True)
+        self.lookup_thread.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for room in self.prefill_rooms.values():
                 for transfer in room.handles:
