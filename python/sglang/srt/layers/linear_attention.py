@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.layers.activation import invariant_pointwise
+
 DEFAULT_CHUNK_SIZE = 64
 L2NORM_EPS = 1e-6
 ZERO_STATE = -1  # a source slot meaning "start from zeros" (a sequence start)
@@ -52,21 +54,6 @@ class StateSlots:
             raise ValueError(f"StateSlots: {len(self.src)} sources for {len(self.dst)} destinations")
         if any(d < 1 for d in self.dst):
             raise ValueError(f"StateSlots: destination slots must be >= 1 (slot 0 is padding), got {list(self.dst)}")
-
-
-# CPU elementwise kernels run whole vectors and finish a tensor's last partial vector with the
-# scalar routine, whose transcendental functions (exp, log1p) round differently. Padding to whole
-# blocks keeps every element on the vector path, whatever else shares the tensor.
-ELEMENTWISE_BLOCK = 64
-
-
-def batch_invariant_map(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for an elementwise ``fn`` whose per-element result does not depend on ``x.numel()``."""
-    flat = x.reshape(-1)
-    pad = (-flat.numel()) % ELEMENTWISE_BLOCK
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return fn(flat)[: x.numel()].reshape(x.shape)
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -93,7 +80,7 @@ def recurrent_gated_delta_rule(
     Elementwise products and reductions over dk only, so each row's result is independent of B.
     """
     q, k = _prepare_qk(q, k, v.shape[-2])
-    s = state.float() * batch_invariant_map(torch.exp, g.float())[..., None, None]
+    s = state.float() * invariant_pointwise(torch.exp, g.float())[..., None, None]
     kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)  # (B, Hv, dv): what the state predicts for k
     u = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
     s = s + k.unsqueeze(-1) * u.unsqueeze(-2)

@@ -18,13 +18,14 @@ What the model is (transformers' ``modeling_deepseek_v4``, paper sections in bra
   ``hash_moe`` layers pick experts by a frozen ``tid2eid[token id]`` table.
 
 What is cached (all in the ``DSV4_STATE`` sidecar, one row per anchor slot per layer, see
-``DeepseekV4RowLayout``): each token's sliding-window KV row; for CSA/HCA layers the token's raw
-compressor projections (``kv``, ``gate``: what HF buffers until a block closes, and the Ca half it
-keeps as the next block's overlap) and the indexer's; and each block's compressed entry (plus the
-indexer's compressed key) at the slot of the block's *last* token. A prefix of any length therefore
-carries exactly what a request continuing it needs: the last window of KV rows, every closed block's
-entry, and the raw rows of a block it ends inside of. Nothing is held outside the pools, so HiCache
-(host tier, L3) moves this state with the anchor's pages.
+``DeepseekV4RowLayout`` in ``deepseek_v4_config.py``): each token's sliding-window KV row; for
+CSA/HCA layers the token's raw compressor projections (``kv``, ``gate``: what HF buffers until a
+block closes, and the Ca half it keeps as the next block's overlap) and the indexer's; and each
+block's compressed entry (plus the indexer's compressed key) at the slot of the block's *last*
+token. A prefix of any length therefore carries exactly what a request continuing it needs: the last
+window of KV rows, every closed block's entry, and the raw rows of a block it ends inside of.
+Nothing is held outside the pools, so HiCache (host tier, L3) moves this state with the anchor's
+pages.
 
 Batch invariance: projections go through ``invariant_linear``; attention and compression are done
 per query token / per block with reduction lengths set by the token's position only, so a token's
@@ -34,12 +35,12 @@ output does not depend on chunking or on the other requests of the batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.activation import SIMD_ELEMENTS, invariant_pointwise
 from sglang.srt.layers.linear import invariant_linear
 from sglang.srt.layers.rotary_embedding import ROPE_SCALING_TYPES, yarn_attention_factor
 from sglang.srt.layers.vocab_parallel_embedding import (
@@ -48,182 +49,18 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, PoolSpec
 from sglang.srt.models.base import ModelSpec
+from sglang.srt.models.deepseek_v4_config import CSA, SLIDING, DeepseekV4RowLayout, complete_v4_config
 from sglang.srt.models.llama import CausalLM
 from sglang.srt.models.weight_names import load_named_weights
-
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
-MLP_LAYER_TYPES = ("hash_moe", "moe")
-SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
-
-
-# ----------------------------------------------------------------------------- config and cache rows
-
-
-def _default_layer_types(n: int) -> list[str]:
-    """HF's default schedule: two HCA layers, then CSA / HCA interleaved."""
-    return [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-
-
-def complete_v4_config(raw: dict, where: str) -> dict:
-    """``raw`` with HF's V4 defaults (``DeepseekV4Config.__post_init__``) filled in; ValueError
-    naming a missing or bad key."""
-    required = ("hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                "head_dim", "q_lora_rank", "n_routed_experts", "num_experts_per_tok", "o_groups", "o_lora_rank",
-                "index_n_heads", "index_head_dim", "index_topk", "sliding_window")
-    missing = [k for k in required if raw.get(k) is None]
-    if missing:
-        raise ValueError(f"{where} lacks required fields {missing} for DeepseekV4ForCausalLM")
-    defaults = {
-        "num_key_value_heads": 1, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
-        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-        "tie_word_embeddings": False, "max_position_embeddings": 1048576, "rope_parameters": None,
-    }
-    hf = {**defaults, **{k: v for k, v in raw.items() if v is not None}}
-    n = hf["num_hidden_layers"]
-    rates = dict(raw.get("compress_rates") or {CSA: 4, HCA: 128})
-    if raw.get("compress_rate_csa") is not None:
-        rates[CSA] = raw["compress_rate_csa"]
-    if raw.get("compress_rate_hca") is not None:
-        rates[HCA] = raw["compress_rate_hca"]
-    hf["compress_rates"] = rates
-    layer_types = raw.get("layer_types")
-    if layer_types is None and raw.get("compress_ratios") is not None:
-        by_ratio = {0: SLIDING, 4: CSA, 128: HCA}
-        layer_types = [by_ratio.get(r, f"compress_ratio={r}") for r in raw["compress_ratios"]]
-    hf["layer_types"] = list(layer_types if layer_types is not None else _default_layer_types(n))[:n]
-    mlp_types = raw.get("mlp_layer_types")
-    if mlp_types is None:
-        n_hash = raw.get("num_hash_layers", 3)
-        mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-    hf["mlp_layer_types"] = list(mlp_types)[:n]
-    if hf.get("partial_rotary_factor") is None:
-        qk_rope = raw.get("qk_rope_head_dim")
-        hf["partial_rotary_factor"] = qk_rope / hf["head_dim"] if qk_rope is not None else 64 / 512
-    hf["qk_rope_head_dim"] = int(hf["head_dim"] * hf["partial_rotary_factor"])
-    hf["v4_rope"] = _rope_tables(hf, where)
-    _validate_v4(hf, where)
-    return hf
-
-
-def _rope_tables(hf: dict, where: str) -> dict[str, dict]:
-    """The ``main`` (sliding layers) and ``compress`` (CSA / HCA layers, compressors, indexer) rope
-    parameters, as ``DeepseekV4Config.__post_init__`` and HF's rope init resolve them: a flat
-    ``rope_parameters`` is the compress rope's scaling (YaRN there gets ``attention_factor`` 1.0) and
-    the main rope is plain; ``truncate`` is read from the top level."""
-    rope = hf["rope_parameters"] or hf.get("rope_scaling") or {}  # legacy configs ship ``rope_scaling``
-    nested = isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict)
-    flat = {k: v for k, v in rope.items() if k not in ("main", "compress")}
-    tables = {}
-    for label, theta_key in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
-        params = dict(rope[label]) if nested else (dict(flat) if label == "compress" else {})
-        params.setdefault("rope_theta", hf[theta_key])
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type not in ("default", "yarn"):
-            raise ValueError(f"{where}: rope_parameters[{label!r}] rope_type {rope_type!r} is not supported for "
-                             "DeepseekV4ForCausalLM; supported: ['default', 'yarn']")
-        if rope_type == "yarn":
-            if params.get("original_max_position_embeddings") is None:
-                raise ValueError(f"{where}: rope_parameters[{label!r}] (yarn) lacks original_max_position_embeddings")
-            if not nested:
-                params.setdefault("attention_factor", 1.0)
-            params["truncate"] = rope.get("truncate", True)
-        params["rope_type"] = rope_type
-        tables[label] = params
-    return tables
-
-
-def _validate_v4(hf: dict, where: str) -> None:
-    n = hf["num_hidden_layers"]
-    for key, types, allowed in (("layer_types", hf["layer_types"], LAYER_TYPES),
-                                ("mlp_layer_types", hf["mlp_layer_types"], MLP_LAYER_TYPES)):
-        if len(types) != n:
-            raise ValueError(f"{where}: len({key}) is {len(types)}, num_hidden_layers is {n}")
-        bad = [t for t in types if t not in allowed]
-        if bad:
-            raise ValueError(f"{where}: {key} entries {bad} are not supported; allowed: {list(allowed)}")
-    for kind in {t for t in hf["layer_types"] if t != SLIDING}:
-        rate = hf["compress_rates"].get(kind)
-        if not isinstance(rate, int) or rate < 1:
-            raise ValueError(f"{where}: compress_rates[{kind!r}] is {rate!r}; must be an int >= 1")
-    checks = [
-        ("num_key_value_heads", hf["num_key_value_heads"] == 1, "1 (V4 attention is shared-KV MQA)"),
-        ("hidden_act", hf["hidden_act"] == "silu", "'silu'"),
-        ("scoring_func", hf["scoring_func"] in SCORING_FUNCS, f"one of {list(SCORING_FUNCS)}"),
-        ("qk_rope_head_dim", hf["qk_rope_head_dim"] % 2 == 0 and
-         0 < hf["qk_rope_head_dim"] <= min(hf["head_dim"], hf["index_head_dim"]),
-         f"even and in (0, min(head_dim, index_head_dim)={min(hf['head_dim'], hf['index_head_dim'])}]"),
-        ("o_groups", (hf["num_attention_heads"] * hf["head_dim"]) % hf["o_groups"] == 0,
-         f"a divisor of num_attention_heads * head_dim = {hf['num_attention_heads'] * hf['head_dim']}"),
-        ("num_experts_per_tok", 1 <= hf["num_experts_per_tok"] <= hf["n_routed_experts"],
-         f"in [1, n_routed_experts={hf['n_routed_experts']}]"),
-        ("sliding_window", hf["sliding_window"] >= 1, ">= 1"),
-        ("index_topk", hf["index_topk"] >= 1, ">= 1"),
-        ("hc_mult", hf["hc_mult"] >= 1, ">= 1"),
-    ]
-    for key, ok, allowed in checks:
-        if not ok:
-            raise ValueError(f"{where}: {key}={hf[key]!r} is not supported; must be {allowed}")
-
-
-@dataclass(frozen=True)
-class DeepseekV4RowLayout:
-    """Where each cached quantity sits in a layer's state row (``DeepSeekV4StatePool``, one row of
-    ``row_dim`` values per anchor slot per layer). Offsets are (start, width).
-
-    Every layer: ``swa`` = the token's sliding-window KV (normed, RoPE'd). CSA/HCA layers add the
-    token's raw compressor ``kv`` / ``gate`` projections (``coeff * head_dim`` each, coeff 2 for CSA's
-    two overlapping series, 1 for HCA) and ``comp`` = the compressed entry of the block the token
-    closes (written at a block's last token only). CSA adds the indexer's raw ``idx_kv`` /
-    ``idx_gate`` (``2 * index_head_dim``) and ``idx_comp`` (its compressed key)."""
-
-    head_dim: int
-    index_head_dim: int
-
-    def fields(self, layer_type: str) -> dict[str, tuple[int, int]]:
-        d, c = self.head_dim, self.index_head_dim
-        widths = [("swa", d)]
-        if layer_type == HCA:
-            widths += [("kv", d), ("gate", d), ("comp", d)]
-        elif layer_type == CSA:
-            widths += [("kv", 2 * d), ("gate", 2 * d), ("comp", d), ("idx_kv", 2 * c), ("idx_gate", 2 * c),
-                       ("idx_comp", c)]
-        out, start = {}, 0
-        for name, width in widths:
-            out[name] = (start, width)
-            start += width
-        return out
-
-    def width(self, layer_type: str) -> int:
-        return sum(w for _, w in self.fields(layer_type).values())
-
-    def row_dim(self, layer_types) -> int:
-        """One row width for every layer (the pool has one): the widest layer type present."""
-        return max(self.width(t) for t in layer_types)
 
 
 # ----------------------------------------------------------------------------- math helpers (HF semantics)
 
 
-# Elements per step of torch's CPU vectorized loops (2 x 16 fp32 on AVX-512, 2 x 8 on AVX2), with margin.
-_VEC = 64
-
-
-def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn`` (an elementwise transcendental: sigmoid, softplus, cos, silu, ...) on ``x`` flattened and
-    padded to a multiple of the SIMD width. CPU kernels compute the tail of a loop with scalar code that
-    rounds differently from the vector code; padding sends every element down the vector path, so an
-    element's value does not depend on how many tokens share the call."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    return fn(F.pad(flat, (0, -n % _VEC)))[:n].view(x.shape)
-
-
 def softmax_lastdim(x: torch.Tensor) -> torch.Tensor:
-    """Softmax over a short last dim, padded with -inf to the SIMD width (same reason as ``pointwise``)."""
+    """Softmax over a short last dim, padded with -inf to the SIMD width (same reason as ``invariant_pointwise``)."""
     k = x.shape[-1]
-    return F.pad(x, (0, -k % _VEC), value=float("-inf")).softmax(dim=-1)[..., :k]
+    return F.pad(x, (0, -k % SIMD_ELEMENTS), value=float("-inf")).softmax(dim=-1)[..., :k]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -252,7 +89,7 @@ def rope_inv_freq(params: dict, rope_dim: int, max_position: int) -> tuple[torch
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """cos / sin (len(positions), rope_dim // 2) as HF's V4 rotary computes them."""
     freqs = positions.to(inv_freq.device)[:, None].float() * inv_freq.float()
-    cos, sin = pointwise(torch.cos, freqs), pointwise(torch.sin, freqs)
+    cos, sin = invariant_pointwise(torch.cos, freqs), invariant_pointwise(torch.sin, freqs)
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return cos.to(dtype), sin.to(dtype)
@@ -488,7 +325,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x).clamp(max=self.limit)
         up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(pointwise(F.silu, gate) * up)
+        return self.w2(invariant_pointwise(F.silu, gate) * up)
 
 
 class Gate(nn.Module):
@@ -508,9 +345,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = invariant_linear(x, self.weight)
         if self.scoring == "sqrtsoftplus":
-            scores = pointwise(F.softplus, logits).sqrt()
+            scores = invariant_pointwise(F.softplus, logits).sqrt()
         elif self.scoring == "sigmoid":
-            scores = pointwise(torch.sigmoid, logits)
+            scores = invariant_pointwise(torch.sigmoid, logits)
         else:
             scores = softmax_lastdim(logits)
         if self.is_hash:
@@ -550,8 +387,8 @@ def hc_weights(streams: torch.Tensor, fn, base, scale, iters: int, eps: float, n
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     s = scale.float()
-    pre = pointwise(torch.sigmoid, pre_w * s[0] + pre_b) + eps
-    post = 2 * pointwise(torch.sigmoid, post_w * s[1] + post_b)
+    pre = invariant_pointwise(torch.sigmoid, pre_w * s[0] + pre_b) + eps
+    post = 2 * invariant_pointwise(torch.sigmoid, post_w * s[1] + post_b)
     comb = softmax_lastdim(comb_w.view(T, n, n) * s[2] + comb_b.view(n, n)) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
@@ -600,7 +437,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = rms_norm(streams.flatten(1).float(), None, self.norm_eps)
-        pre = pointwise(torch.sigmoid,
+        pre = invariant_pointwise(torch.sigmoid,
                         invariant_linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.activation import invariant_pointwise
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -36,7 +37,6 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.layers.linear_attention import (
     ZERO_STATE,
-    batch_invariant_map,
     causal_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -204,8 +204,8 @@ class GatedDeltaNet(nn.Module):
             raise ValueError("a linear-attention layer needs forward_batch.state_pool and forward_batch.mamba_slots")
         m = self.state_layer_id
         mixed, z, b, a = self._split(hidden_states)
-        beta = batch_invariant_map(torch.sigmoid, b)
-        g = -self.A_log.float().exp() * batch_invariant_map(F.softplus, a.float() + self.dt_bias)
+        beta = invariant_pointwise(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * invariant_pointwise(F.softplus, a.float() + self.dt_bias)
         conv_w = self.conv1d.weight[:, 0, :]
         conv_buf, ssm_buf = pool.layer_view("conv_0", m), pool.layer_view("temporal", m)
         dst = torch.tensor(slots.dst, dtype=torch.int64, device=conv_buf.device)

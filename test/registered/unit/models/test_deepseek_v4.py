@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.memory_pool.dsv4 import DeepSeekV4StatePool, LogicalAnchorPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_config import ModelConfig
-from sglang.srt.models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4RowLayout
+from sglang.srt.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4RowLayout
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import Driver, make_tiny_model
 from sglang.test.hf_reference import (

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.layers.activation import invariant_pointwise
 from sglang.srt.layers.linear import MIN_GEMM_ROWS
 
 
@@ -84,14 +85,6 @@ def tree_sum_blocks(partial: torch.Tensor, leading_zero_blocks: int = 0) -> torc
     while partial.shape[1] > 1:
         partial = partial[:, 0::2] + partial[:, 1::2]
     return partial[:, 0]
-
-
-def lane_invariant_exp(x: torch.Tensor) -> torch.Tensor:
-    """``x.exp()`` whose every element takes the vectorized path: a contiguous tensor's last
-    ``numel % vector width`` elements go through a scalar tail loop that rounds differently, and
-    ``numel`` here follows the chunk's row count. Padding to a multiple of 64 leaves no tail."""
-    flat = x.reshape(-1)
-    return F.pad(flat, (0, -flat.numel() % 64)).exp()[: flat.numel()].view(x.shape)
 
 
 class TorchNativeAttnBackend:
@@ -222,6 +215,6 @@ class TorchNativeAttnBackend:
         numerator = tree_sum_blocks(torch.matmul(scores, vals), skip)
         denominator = tree_sum_blocks(scores.sum(dim=-1, keepdim=True), skip)
         if sinks is not None:
-            denominator = denominator + lane_invariant_exp(sinks - row_max).view(num_kv, group * rows, 1)
+            denominator = denominator + invariant_pointwise(torch.exp, sinks - row_max).view(num_kv, group * rows, 1)
         out = (numerator / denominator).view(num_kv, group, rows, v_dim).permute(2, 0, 1, 3)
         return out.reshape(rows, -1)[: chunk.q_len]
