@@ -64,13 +64,29 @@ def digests(sums: list[int], objects_per_page: Sequence[int]) -> list[int]:
     return out
 
 
-def build(names: Sequence[str], lengths: Sequence[int], sums: Sequence[int], page_digests: Sequence[int],
-          trailer_bytes: int) -> np.ndarray:
-    """(len(names), trailer_bytes) uint8: row ``i`` is the trailer :func:`pack_trailer` writes
-    for object ``names[i]`` (payload ``lengths[i]`` bytes, checksum ``sums[i]``, page digest
+_TAG_CACHE: dict[str, bytes] = {}
+_TAG_CACHE_MAX = 1 << 17  # ~20 MiB at most
+
+
+def _tags(names: Sequence[str]) -> list[bytes]:
+    """``integrity.name_tag`` of each name, cached: a page is usually read by the process that
+    wrote or checked it, and the sha256 costs more than its share of a 64 KiB page's I/O."""
+    cache, out = _TAG_CACHE, []
+    for name in names:
+        tag = cache.get(name)
+        if tag is None:
+            if len(cache) >= _TAG_CACHE_MAX:
+                cache.clear()
+            tag = cache[name] = _sha256(name.encode("utf-8")).digest()[:16]
+        out.append(tag)
+    return out
+
+
+def headers(names: Sequence[str], lengths: Sequence[int], sums: Sequence[int],
+            page_digests: Sequence[int]) -> np.ndarray:
+    """(len(names), HEADER_BYTES) uint8: the header (with its CRC) that ends the trailer of
+    object ``names[i]`` (payload ``lengths[i]`` bytes, checksum ``sums[i]``, page digest
     ``page_digests[i]``) with the default algorithm."""
-    if trailer_bytes < MIN_TRAILER_BYTES:
-        raise ValueError(f"trailer_bytes must be >= {MIN_TRAILER_BYTES}, got {trailer_bytes}")
     n = len(names)
     head = np.zeros(n, dtype=HEADER_DTYPE)
     head["magic"] = MAGIC
@@ -79,13 +95,36 @@ def build(names: Sequence[str], lengths: Sequence[int], sums: Sequence[int], pag
     head["len"] = np.asarray(lengths, dtype=np.uint64)
     head["checksum"] = np.asarray(sums, dtype=np.uint64)
     head["digest"] = np.asarray(page_digests, dtype=np.uint64)
-    head["tag"] = [_sha256(name.encode("utf-8")).digest()[:16] for name in names]
+    head["tag"] = _tags(names)
     raw = head.view(np.uint8).reshape(n, HEADER_BYTES)
     blob = memoryview(raw.tobytes())
     head["crc"] = [_crc32(blob[i : i + _CRC_SPAN]) for i in range(0, n * HEADER_BYTES, HEADER_BYTES)]
-    out = np.zeros((n, trailer_bytes), dtype=np.uint8)
-    out[:, trailer_bytes - HEADER_BYTES :] = raw
+    return raw
+
+
+def build(names: Sequence[str], lengths: Sequence[int], sums: Sequence[int], page_digests: Sequence[int],
+          trailer_bytes: int) -> np.ndarray:
+    """(len(names), trailer_bytes) uint8: row ``i`` is the trailer :func:`pack_trailer` writes
+    for object ``names[i]`` (zero padding, then :func:`headers`)."""
+    if trailer_bytes < MIN_TRAILER_BYTES:
+        raise ValueError(f"trailer_bytes must be >= {MIN_TRAILER_BYTES}, got {trailer_bytes}")
+    out = np.zeros((len(names), trailer_bytes), dtype=np.uint8)
+    out[:, trailer_bytes - HEADER_BYTES :] = headers(names, lengths, sums, page_digests)
     return out
+
+
+def verify(read: np.ndarray, names: Sequence[str], lengths: Sequence[int], sums: Sequence[int],
+           page_digests: Sequence[int]) -> np.ndarray:
+    """Per row of ``read`` (trailers as read, (n, trailer_bytes) uint8): whether it is exactly
+    the trailer :func:`build` gives, every byte checked, without building the padding."""
+    pad = read.shape[1] - HEADER_BYTES
+    if pad < MIN_TRAILER_BYTES - HEADER_BYTES:
+        raise ValueError(f"trailers of {read.shape[1]} bytes; at least {MIN_TRAILER_BYTES} expected")
+    good = (read[:, pad:] == headers(names, lengths, sums, page_digests)).all(axis=1)
+    padding = read[:, :pad]
+    if pad % 8 == 0 and read.strides[1] == 1 and read.ctypes.data % 8 == 0 and read.strides[0] % 8 == 0:
+        padding = padding.view(np.uint64)  # 8x fewer elements to test
+    return good & ~padding.any(axis=1)
 
 
 def matches(read: np.ndarray, expected: np.ndarray) -> np.ndarray:

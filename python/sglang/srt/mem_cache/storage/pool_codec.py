@@ -53,15 +53,24 @@ class ObjectIO:
     nbytes: int
 
 
-@dataclass(slots=True)
 class PageIO:
-    codec: "PoolCodec"
-    slot: int  # first host slot of the page
-    objects: list[ObjectIO]
+    """One page of one pool: its first host slot and object names. ``objects`` (names with host
+    views) is built on first use: the native batch paths of the backends never need it."""
+
+    __slots__ = ("codec", "slot", "names", "_objects")
+
+    def __init__(self, codec: "PoolCodec", slot: int, names: list[str]):
+        self.codec, self.slot, self.names, self._objects = codec, slot, names, None
+
+    @property
+    def objects(self) -> list[ObjectIO]:
+        if self._objects is None:
+            self._objects = self.codec.page_objects(self.slot, self.names)
+        return self._objects
 
     @property
     def nbytes(self) -> int:
-        return sum(o.nbytes for o in self.objects)
+        return self.codec.page_nbytes
 
     def zero(self) -> None:
         """Wipe the page's host bytes (after a failed read, so no unverified byte stays)."""
@@ -125,6 +134,7 @@ class PoolCodec:
         self.is_marker = self.segments[0].nbytes == 0  # a pool without bytes: one empty marker object
         self._names: dict[str, list[str]] = {}  # page hash -> object names (see object_names)
         self._one = self.segments[0] if len(self.segments) == 1 and not self.is_marker else None
+        self.page_nbytes = sum(s.nbytes for s in self.segments)
 
     @property
     def page_size(self) -> int:
@@ -166,13 +176,31 @@ class PoolCodec:
         return [self.page_io(slot, page_names) for slot, page_names in zip(slots, names)]
 
     def page_io(self, slot: int, names: list[str]) -> PageIO:
+        return PageIO(self, slot, names)
+
+    def page_objects(self, slot: int, names: list[str]) -> list[ObjectIO]:
+        """The objects of the page at ``slot``: names with the host views of their payloads."""
         if self._one is not None:  # one object per page: its views are the page's chunks
             views, ptrs = self.page_views.chunks(slot // self.page_size)
-            return PageIO(self, slot, [ObjectIO(names[0], views, ptrs, self._one.nbytes)])
+            return [ObjectIO(names[0], views, ptrs, self._one.nbytes)]
         views, ptrs = self.page_views.chunks(slot // self.page_size) if not self.is_marker else ([], [])
-        objects = [
+        return [
             ObjectIO(name, views[s.first_chunk : s.first_chunk + s.num_chunks],
                      ptrs[s.first_chunk : s.first_chunk + s.num_chunks], s.nbytes)
             for name, s in zip(names, self.segments)
         ]
-        return PageIO(self, slot, objects)
+
+    def object_iovecs(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Host memory of every object of the pages at ``slots``, objects page after page in
+        segment order, as int64 arrays: iovec addresses and lengths, and ``starts`` (object i
+        owns iovecs starts[i] .. starts[i + 1]). None when the pool's pages are not affine in
+        its buffers (see PageViews); a marker pool's objects own no iovec."""
+        counts = [0 if self.is_marker else s.num_chunks for s in self.segments]
+        starts = np.zeros(len(slots) * len(counts) + 1, dtype=np.int64)
+        if self.is_marker:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), starts
+        iov = self.page_views.iovecs(np.asarray(slots, dtype=np.int64) // self.page_size)
+        if iov is None:
+            return None
+        np.cumsum(np.tile(np.asarray(counts, dtype=np.int64), len(slots)), out=starts[1:])
+        return iov[0], iov[1], starts

@@ -61,3 +61,22 @@ def test_matches_rejects_every_single_byte_flip():
         assert batch_trailers.matches(bad, valid).tolist() == [False]
         result = read_trailer(bytes(bad[0]), "obj_k", [payload], payload.nbytes)
         assert result is None or not page_is_whole([result])
+
+
+def test_verify_accepts_exactly_the_built_trailer_every_byte_checked():
+    """verify() (header compare + zero-padding test, no padding built) agrees with matches()
+    against build() for every single-byte flip, on 64-byte rows inside a wider read buffer (the
+    file backend's tails) and on 4096-byte aligned rows (NIXL's staging slots)."""
+    payload = np.arange(700, dtype=np.uint32).view(np.uint8)
+    (c,) = batch_trailers.checksums([[payload]])
+    digests = batch_trailers.digests([c, c], [1, 1])
+    args = (["obj_a", "obj_b"], [payload.nbytes] * 2, [c, c], digests)
+    for width, buffer_width in ((64, 65), (4096, 4096)):
+        valid = batch_trailers.build(*args, width)
+        buf = np.zeros((2, buffer_width), dtype=np.uint8)
+        buf[:, :width] = valid
+        assert batch_trailers.verify(buf[:, :width], *args).tolist() == [True, True]
+        for i in list(range(0, width, 7)) + list(range(width - 64, width)):
+            bad = buf.copy()
+            bad[1, i] ^= 0x80
+            assert batch_trailers.verify(bad[:, :width], *args).tolist() == [True, False], (width, i)

@@ -10,10 +10,19 @@ name, so concurrent writers of one key leave one whole page. A capacity cap
 (``capacity_gb``) evicts least-recently-used files. Batches of pages of 1 MiB and more are
 spread over ``io_threads`` threads (default 2), so that one page is hashed while the next is
 copied (``page_workers.py``).
+
+With the native helper built (``storage/native_io.py``) a batch is one call each way, without
+the GIL: every file opened, read (payload straight into host memory, then the trailer plus one
+byte) and closed, and each payload hashed right after its read, while it is still in the cache;
+writes hash the batch in one call, then create, write, close and rename every file in another.
+Pages that fail the batch check, and writes whose bucket directory has gone, go through the
+per-object Python path below, which classifies or repairs them. At 64 KiB pages this moved the
+file backend's get from 0.52x to 0.65-0.71x of plain ``preadv`` (``bench_storage.py``).
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -24,7 +33,7 @@ import numpy as np
 
 from sglang.srt.mem_cache.storage.extra_config import ExtraKey, parse_keys
 from sglang.srt.mem_cache.storage.file.lru_evictor import LRUEvictor
-from sglang.srt.mem_cache.storage import batch_trailers
+from sglang.srt.mem_cache.storage import batch_trailers, native_io
 from sglang.srt.mem_cache.storage.integrity import page_is_whole, read_trailer
 from sglang.srt.mem_cache.storage.page_workers import PageWorkers
 from sglang.srt.mem_cache.storage.paged_storage import PagedStorage
@@ -107,6 +116,40 @@ class HiCacheFile(PagedStorage):
         return self.workers.map_slices(self._read_batch, pages, _page_bytes(pages))
 
     def _read_batch(self, pages: list[PageIO]) -> list[bool]:
+        if native_io.HASH:
+            layout = native_io.batch_layout(pages)
+            if layout is not None:
+                return self._read_native(pages, layout)
+        return self._read_python(pages)
+
+    def _read_native(self, pages: list[PageIO], layout: native_io.BatchLayout) -> list[bool]:
+        """:meth:`_read_python` in one native call: every object opened, read (payload and one
+        byte more than its trailer) and hashed while still in the cache, without the GIL. Pages
+        that fail the batch check go through :meth:`_settle_page`."""
+        names, root = layout.names, self.root
+        paths = [f"{root}/{n[:2]}/{n}{SUFFIX}" for n in names]
+        tails = np.empty((len(names), TRAILER_BYTES + 1), dtype=np.uint8)
+        counts, sums = native_io.read_files(paths, READ_FLAGS, layout.iov, tails, TRAILER_BYTES)
+        whole = counts == layout.nbytes + TRAILER_BYTES
+        sums_list = sums.tolist()
+        digests = batch_trailers.digests(sums_list, layout.per_page)
+        good = batch_trailers.verify(tails[:, :TRAILER_BYTES], names, layout.nbytes, sums_list, digests) & whole
+        flags = layout.page_flags(good).tolist()
+        if all(flags):
+            self.evictor.touch_many(names)
+            return flags
+        counts[counts < 0] = -1  # absent or not openable: a miss, left alone
+        touched = []
+        for k, (page, ok) in enumerate(zip(pages, flags)):
+            i, n = int(layout.first[k]), layout.per_page[k]
+            if ok:
+                touched.extend(names[i : i + n])
+            else:
+                flags[k] = self._settle_page(page, counts[i : i + n].tolist(), tails[i : i + n])
+        self.evictor.touch_many(touched)
+        return flags
+
+    def _read_python(self, pages: list[PageIO]) -> list[bool]:
         """Read every object of ``pages``, then verify them all at once (``batch_trailers``).
 
         One ``preadv`` per object asks for one byte more than the object: a file of the wrong
@@ -184,6 +227,57 @@ class HiCacheFile(PagedStorage):
         return self.workers.map_slices(self._write_batch, pages, _page_bytes(pages))
 
     def _write_batch(self, pages: list[PageIO]) -> list[bool]:
+        if native_io.HASH:
+            layout = native_io.batch_layout(pages)
+            if layout is not None:
+                return self._write_native(pages, layout)
+        return self._write_python(pages)
+
+    def _write_native(self, pages: list[PageIO], layout: native_io.BatchLayout) -> list[bool]:
+        """:meth:`_write_python` with the hashing and the file work of the whole batch in two
+        native calls. A page whose write failed because its bucket directory is gone is
+        retried by the Python path (which recreates it)."""
+        names, root = layout.names, self.root
+        sums = native_io.hash_objects(layout.iov).tolist()
+        digests = batch_trailers.digests(sums, layout.per_page)
+        trailers = batch_trailers.build(names, layout.nbytes, sums, digests, TRAILER_BYTES)
+        sizes = (layout.nbytes + TRAILER_BYTES).tolist()
+        fits = self.evictor.reserve_many(names, sizes, self._evict)
+        todo = layout if all(fits) else layout.subset(layout.page_flags(np.asarray(fits, dtype=bool)))
+        finals = [f"{root}/{n[:2]}/{n}{SUFFIX}" for n in todo.names]
+        tag = f".tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}."
+        tmps = [f"{p}{tag}{i}" for i, p in enumerate(finals)]
+        errs = np.full(len(names), -errno.EFBIG, dtype=np.int64)
+        rows = trailers if todo is layout else trailers[todo.object_index]
+        errs[todo.object_index] = native_io.write_files(tmps, finals, 0, todo.iov.with_tails(rows))
+        ok = errs == 0
+        flags = layout.page_flags(ok).tolist()
+        if all(flags):
+            return flags
+        retry = []
+        for k, page in enumerate(pages):
+            i, n = int(layout.first[k]), layout.per_page[k]
+            for j in range(i, i + n):
+                if not ok[j]:
+                    self.evictor.forget(names[j])
+            if flags[k]:
+                continue
+            if (errs[i : i + n] == native_io.ENOENT).any():
+                retry.append(k)
+            elif (errs[i : i + n] == -errno.EFBIG).any():
+                logger.warning("HiCacheFile: a %d-byte page does not fit the capacity cap", page.nbytes)
+            else:
+                self.stats.add(failures=1)
+                logger.warning("HiCacheFile: writing %s failed: %s", names[i], os.strerror(int(-errs[i:i + n].min())))
+        if retry:
+            for k, again in zip(retry, self._write_python([pages[k] for k in retry])):
+                flags[k] = again
+        return flags
+
+    def _evict(self, victims: list[str]) -> None:
+        native_io.unlink_files([self.path(v) for v in victims])
+
+    def _write_python(self, pages: list[PageIO]) -> list[bool]:
         """Checksums and trailers of the whole batch first (``batch_trailers``), then one
         private temporary file per object, renamed over its final name."""
         objs = [o for p in pages for o in p.objects]

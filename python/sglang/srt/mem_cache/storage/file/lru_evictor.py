@@ -39,6 +39,33 @@ class LRUEvictor:
             self.used_bytes += nbytes
             return victims
 
+    def reserve_many(self, names: list[str], sizes: list[int], evict) -> list[bool]:
+        """:meth:`reserve` each name in order under one lock; ``evict(victims)`` is called once
+        with every name evicted to make room. Per name: whether it is still reserved (False when
+        it alone exceeds the capacity, or a later name of the batch evicted it again)."""
+        fits, victims, cap, mine = [], [], self.capacity_bytes, {}
+        with self._lock:
+            entries = self._entries
+            for name, nbytes in zip(names, sizes):
+                if nbytes > cap:
+                    fits.append(False)
+                    continue
+                self.used_bytes -= entries.pop(name, 0)
+                while self.used_bytes + nbytes > cap and entries:
+                    victim, size = entries.popitem(last=False)
+                    self.used_bytes -= size
+                    if victim in mine:  # reserved earlier in this batch: not written at all
+                        fits[mine.pop(victim)] = False
+                    else:
+                        victims.append(victim)
+                mine[name] = len(fits)
+                entries[name] = nbytes
+                self.used_bytes += nbytes
+                fits.append(True)
+        if victims:
+            evict(victims)
+        return fits
+
     def touch(self, name: str) -> None:
         """Mark ``name`` as just used (no-op when unknown)."""
         with self._lock:

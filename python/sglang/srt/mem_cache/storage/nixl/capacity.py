@@ -34,7 +34,7 @@ STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 
 
 def group_of(name: str) -> str:
-    return name.split(GROUP_SEPARATOR, 1)[0]
+    return name.partition(GROUP_SEPARATOR)[0]
 
 
 class StoreCapacity:
@@ -96,11 +96,16 @@ class StoreCapacity:
         if not self.evicts:
             return
         with self._lock:
+            groups = self._groups
             for name, size in names_bytes:
-                group = self._groups.setdefault(group_of(name), {})
+                key = group_of(name)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = {}
+                else:
+                    groups.move_to_end(key)
                 self.used_bytes += size - group.get(name, 0)
                 group[name] = size
-                self._groups.move_to_end(group_of(name))
 
     def touched(self, names: list[str]) -> None:
         if not self.evicts:

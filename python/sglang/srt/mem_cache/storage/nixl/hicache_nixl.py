@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.hicache_storage import StorageBackendError
 from sglang.srt.mem_cache.storage import batch_trailers
 from sglang.srt.mem_cache.storage.integrity import page_is_whole
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.storage.nixl import batch_path
 from sglang.srt.mem_cache.storage.nixl.bounded_calls import StorageUnavailable
 from sglang.srt.mem_cache.storage.nixl.capacity import StoreCapacity, group_of
 from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, StorageKind, parse_nixl_options
@@ -113,7 +114,7 @@ class HiCacheNixl(PagedStorage):
         keeps the device's queue full)."""
         chunk, nbytes = [], 0
         for page in pages:
-            size = 0 if self.contexts[page.codec.name].direct else page.nbytes + TRAILER_BYTES * len(page.objects)
+            size = 0 if self.contexts[page.codec.name].direct else page.nbytes + TRAILER_BYTES * len(page.names)
             if chunk and (len(chunk) == self.options.bounce_pages or nbytes + size > CHUNK_BYTES):
                 yield chunk
                 chunk, nbytes = [], 0
@@ -161,19 +162,45 @@ class HiCacheNixl(PagedStorage):
             chunks = list(self._chunks(pages))
             if len(chunks) < 2 or not all(c.get_area_alt is not None for c in self.contexts.values()):
                 for chunk in chunks:
-                    self._settle_chunk(*self._transfer_read(chunk), done)
+                    self._settle_any(self._read_any(chunk), done)
                 return [done.get(id(p), False) for p in pages]
             reader = self._reader_pool()
-            future = reader.submit(self._transfer_read, chunks[0], False)
+            future = reader.submit(self._read_any, chunks[0], False)
             try:
                 for k in range(len(chunks)):
-                    planned, moved = future.result()
+                    result = future.result()
                     if k + 1 < len(chunks):
-                        future = reader.submit(self._transfer_read, chunks[k + 1], k % 2 == 0)
-                    self._settle_chunk(planned, moved, done)
+                        future = reader.submit(self._read_any, chunks[k + 1], k % 2 == 0)
+                    self._settle_any(result, done)
             finally:
                 future.exception()  # never return while a transfer still writes host memory
             return [done.get(id(p), False) for p in pages]
+
+    def _read_any(self, pages: list[PageIO], alt: bool = False):
+        """Read one chunk by the batch path when it can take it (``batch_path``), else object
+        by object."""
+        if batch_path.usable(self, pages):
+            return batch_path.read_chunk(self, pages, alt)
+        return self._transfer_read(pages, alt)
+
+    def _settle_any(self, result, done: dict[int, bool]) -> None:
+        if not isinstance(result, batch_path.ReadChunk):
+            self._settle_chunk(*result, done)
+            return
+        verified = batch_path.settle(result).tolist()
+        rest, touched = [], []
+        for page, ok, moved in zip(result.pages, verified, result.moved.tolist()):
+            if ok:
+                done[id(page)] = True
+                touched.append(page.names[0])
+                continue
+            if moved:
+                page.zero()  # unverified bytes never stay in the host pool, whatever the re-read finds
+            rest.append(page)
+        if self.capacity is not None and touched:
+            self.capacity.touched(touched)
+        if rest:  # absent, wrong-sized, failed or unverified: the per-object path classifies them
+            self._settle_chunk(*self._transfer_read(rest, result.alt), done)
 
     def _reader_pool(self) -> ThreadPoolExecutor:
         if self._reader is None:
@@ -285,12 +312,14 @@ class HiCacheNixl(PagedStorage):
             flags = []
             for chunk in self._chunks(pages):
                 if self.capacity is not None:
-                    self.capacity.make_room({group_of(p.objects[0].name) for p in chunk},
-                                            sum(p.nbytes + TRAILER_BYTES * len(p.objects) for p in chunk))
-                written = self._write_chunk(chunk)
+                    self.capacity.make_room({group_of(p.names[0]) for p in chunk},
+                                            sum(p.nbytes + TRAILER_BYTES * len(p.names) for p in chunk))
+                written = batch_path.write_chunk(self, chunk) if batch_path.usable(self, chunk) else None
+                if written is None:
+                    written = self._write_chunk(chunk)
                 if self.capacity is not None:
-                    self.capacity.written([(o.name, o.nbytes + TRAILER_BYTES)
-                                           for p, ok in zip(chunk, written) if ok for o in p.objects])
+                    self.capacity.written([(name, s.nbytes + TRAILER_BYTES) for p, ok in zip(chunk, written) if ok
+                                           for name, s in zip(p.names, p.codec.segments)])
                 flags.extend(written)
             return flags
 

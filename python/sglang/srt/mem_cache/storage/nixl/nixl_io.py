@@ -80,15 +80,15 @@ class NixlIO:
     def transfer(self, op: str, dram: list[tuple[int, int]], storage: list[tuple[int, int, int]],
                  storage_regs: list[tuple[int, int, int, str]]) -> None:
         """One ``op`` ("READ" or "WRITE") moving ``dram[i]`` = (ptr, len) <-> ``storage[i]`` =
-        (offset, len, dev_id); ``storage_regs`` = (0, 0, dev_id, meta) are registered for the
+        (offset, len, dev_id) (lists of tuples, or uint64 arrays with dram rows (ptr, len, 0)); ``storage_regs`` = (0, 0, dev_id, meta) are registered for the
         duration. Returns when done; StorageBackendError on failure, StorageUnavailable when it
         did not finish within ``transfer_timeout_s`` (all or nothing). A transfer that timed out
         keeps its handle and registration until NIXL reports it ended (see BoundedCalls)."""
-        if not dram:
+        if len(dram) == 0:
             return
         deadline = self._deadline()
-        local = np.array([(p, n, 0) for p, n in dram], dtype=np.uint64)
-        remote = np.array(storage, dtype=np.uint64)
+        local = dram if isinstance(dram, np.ndarray) else np.array([(p, n, 0) for p, n in dram], dtype=np.uint64)
+        remote = storage if isinstance(storage, np.ndarray) else np.array(storage, dtype=np.uint64)
         reg = self._call("register storage", self.agent.register_memory, storage_regs, self.mem_type, deadline=deadline)
         handle, settled = None, True
         try:

@@ -46,6 +46,12 @@ class StagingArea:
         array, base = self.tensor.numpy(), self.tensor.data_ptr()
         self._slots = [(array[i * slot_bytes : (i + 1) * slot_bytes], base + i * slot_bytes) for i in range(num_slots)]
 
+    def rows(self, n: int) -> np.ndarray:
+        """The first ``n`` slots as one (n, slot_bytes) uint8 array (the batch path's trailers)."""
+        if not 0 <= n <= self.num_slots:
+            raise IndexError(f"{n} staging slots asked, {self.num_slots} exist")
+        return self.tensor.numpy().reshape(self.num_slots, self.slot_bytes)[:n]
+
     def slot(self, i: int) -> tuple[np.ndarray, int]:
         """(uint8 view, address) of slot ``i``."""
         if not 0 <= i < self.num_slots:

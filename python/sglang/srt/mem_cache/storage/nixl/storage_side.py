@@ -92,6 +92,10 @@ class PosixSide:
             return None, None
         return Target(name, fd, ""), os.fstat(fd).st_size
 
+    def tmp_tag(self) -> str:
+        """A suffix no other writer uses: a temporary file is ``<final path><tag><n>``."""
+        return f".tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}."
+
     def open_write(self, name: str, direct: bool) -> Target:
         path = self.path(name)
         tmp = f"{path}.tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}"
