@@ -14,7 +14,7 @@ ARGS ?=
 
 .PHONY: install test list bench serve clean clean-serve
 
-$(VENV)/.installed: python/pyproject.toml python/setup.py python/sglang/srt/mem_cache/kvcacheio/csrc/native_copy.c Makefile
+$(VENV)/.installed: python/pyproject.toml python/setup.py python/sglang/srt/mem_cache/kvcacheio/csrc/native_copy.c python/sglang/srt/mem_cache/storage/csrc/native_files.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build on local disk, not a multi-GB CUDA download
 	$(PY) -m pip install -q torch==2.13.0
