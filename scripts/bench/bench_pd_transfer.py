@@ -11,8 +11,12 @@ bootstrap server. Per (prefill_tp, decode_tp, kv_heads) case and iteration (one 
   byte count as ONE descriptor between the same processes, all pairs at once, timed the same way.
 - ``single``: all the case's bytes as one descriptor between one prefill and one decode process
   (the figure a single-descriptor copy reaches with one sending core).
+- ``raw_pages``: the ``raw`` pairs again, each pair's bytes as one descriptor per (page, layer,
+  K or V) in shuffled order, the descriptors the pages route posts for scattered pages: NIXL's
+  own cost of scattered pages (``raw_pages_vs_raw``), so that ``ratio`` splits into NIXL's part
+  and ours (``ratio_raw_pages`` = pd / raw_pages).
 
-The three run interleaved, iteration by iteration, so load changes hit them alike. Decode ranks
+The four run interleaved, iteration by iteration, so load changes hit them alike. Decode ranks
 poll every millisecond in all three; prefill ranks poll flat out. Prints GB/s and ratios;
 ``--json FILE`` writes one record per case (``ratio`` = pd / raw; ``ratio_single`` = pd / single).
 
@@ -154,8 +158,8 @@ class Worker:
         state = poll_until([sender], TERMINAL, 0.0)[0]
         return int(state), t0
 
-    def raw_xfer(self, tag: str, writes: list[tuple[str, int, int, int]], expect: int):
-        """Prefill: on go, post one WRITE per (remote, src_off, dst_ptr, nbytes) -> t_start.
+    def raw_xfer(self, tag: str, writes: list[tuple[str, int, int, int, int]], expect: int):
+        """Prefill: on go, post one WRITE per (remote, src_off, dst_ptr, nbytes, descriptors) -> t_start.
         Decode: wait (polling every ms) for ``expect`` notifications tagged ``tag`` -> t_done."""
         if self.role == "decode":
             self.conn.send("ready")
@@ -166,8 +170,8 @@ class Worker:
                     break
                 time.sleep(0.001)
             return int(KVPoll.Success if got >= expect else KVPoll.Failed), time.monotonic()
-        descs = [(self.raw.get_xfer_descs([(self.buf.data_ptr() + s, n, 0)], "DRAM"),
-                  self.raw.get_xfer_descs([(d, n, 0)], "DRAM"), remote) for remote, s, d, n in writes]
+        descs = [(self.raw.get_xfer_descs(_scattered(self.buf.data_ptr() + s, n, k, 1), "DRAM"),
+                  self.raw.get_xfer_descs(_scattered(d, n, k, 2), "DRAM"), remote) for remote, s, d, n, k in writes]
         self.conn.send("ready")
         assert self.conn.recv() == ("go",)
         t0 = time.monotonic()
@@ -178,6 +182,17 @@ class Worker:
                 states[i] = self.raw.check_xfer_state(h)
             self.raw.release_xfer_handle(h)
         return int(KVPoll.Success if all(s == "DONE" for s in states) else KVPoll.Failed), t0
+
+
+def _scattered(base: int, nbytes: int, pieces: int, seed: int) -> np.ndarray:
+    """(ptr, len, 0) rows covering [base, base + nbytes): one row, or ``pieces`` equal pieces in
+    a shuffled order (no two consecutive rows adjacent in memory, as scattered pages are)."""
+    if pieces <= 1:
+        return np.array([[base, nbytes, 0]], dtype=np.uint64)
+    size = nbytes // pieces
+    order = np.random.default_rng(seed).permutation(pieces).astype(np.uint64)
+    return np.stack([base + order * np.uint64(size), np.full(pieces, size, dtype=np.uint64),
+                     np.zeros(pieces, dtype=np.uint64)], axis=1)
 
 
 def worker_main(conn, role: str, rank: int, args) -> None:
@@ -223,12 +238,13 @@ class Coordinator:
         for key in cmds:
             assert self.conns[key].recv() == "ready"
 
-    def raw_cmds(self, tag: str, pairs: dict[tuple[int, int], int]) -> dict:
-        """One WRITE per pair; each prefill's sources and each decode's destinations packed."""
+    def raw_cmds(self, tag: str, pairs: dict[tuple[int, int], int], pieces: int = 1) -> dict:
+        """One WRITE per pair; each prefill's sources and each decode's destinations packed
+        (``pieces`` > 1: each pair's bytes as that many scattered descriptors)."""
         writes, expect, src_off, dst_off = {}, Counter(), Counter(), Counter()
         for (p, d), n in sorted(pairs.items()):
             remote = f"raw-decode-{d}"
-            writes.setdefault(p, []).append((remote, src_off[p], self.info[("decode", d)][1] + dst_off[d], n))
+            writes.setdefault(p, []).append((remote, src_off[p], self.info[("decode", d)][1] + dst_off[d], n, pieces))
             src_off[p] += n
             dst_off[d] += n
             expect[d] += 1
@@ -255,12 +271,14 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
     prefill, decode = [("prefill", r) for r in range(tp)], [("decode", r) for r in range(td)]
     co.call({k: ("case", tp, heads, server.addr) for k in prefill})
     co.call({k: ("case", td, heads, server.addr) for k in decode})
-    times = {"pd": [], "raw": [], "single": []}
+    times = {"pd": [], "raw": [], "single": [], "raw_pages": []}
+    descriptors = args.tokens // args.page_size * args.layers * 2  # one per (page, layer, K or V)
     for it in range(args.iters + 1):
         room = 1000 * tp + 100 * td + 10 * heads + it
         runs = {"pd": {k: ("pd", room, server.addr) for k in decode + prefill},
                 "raw": co.raw_cmds(f"raw-{room}|", pairs),
-                "single": co.raw_cmds(f"single-{room}|", {(0, 0): total})}
+                "single": co.raw_cmds(f"single-{room}|", {(0, 0): total}),
+                "raw_pages": co.raw_cmds(f"pages-{room}|", pairs, descriptors)}
         for name, cmds in runs.items():
             elapsed = co.timed(cmds)
             if it:
@@ -273,6 +291,8 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
     return {"prefill_tp": tp, "decode_tp": td, "kv_heads": heads, "bytes": total, "gbps": round(gbps["pd"], 3),
             "baseline_gbps": round(gbps["raw"], 3), "ratio": round(gbps["pd"] / gbps["raw"], 3),
             "single_gbps": round(gbps["single"], 3), "ratio_single": round(gbps["pd"] / gbps["single"], 3),
+            "raw_pages_gbps": round(gbps["raw_pages"], 3), "ratio_raw_pages": round(gbps["pd"] / gbps["raw_pages"], 3),
+            "raw_pages_vs_raw": round(gbps["raw_pages"] / gbps["raw"], 3), "descriptors_per_pair": descriptors,
             "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
             "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load}
 
@@ -307,7 +327,9 @@ def main(argv=None) -> int:
             records.append(rec)
             print(f"TP {tp}->{td} H={heads}: {rec['bytes'] / 2**20:6.1f} MiB  pd {rec['gbps']:5.2f} GB/s  "
                   f"raw {rec['baseline_gbps']:5.2f}  ratio {rec['ratio']:.2f}  single {rec['single_gbps']:5.2f}  "
-                  f"ratio_single {rec['ratio_single']:.2f}  routes {rec['routes']}  load {rec['load']}", flush=True)
+                  f"ratio_single {rec['ratio_single']:.2f}  raw_pages {rec['raw_pages_gbps']:5.2f} "
+                  f"(raw x{rec['raw_pages_vs_raw']:.2f}, pd/raw_pages {rec['ratio_raw_pages']:.2f})  "
+                  f"routes {rec['routes']}  load {rec['load']}", flush=True)
     finally:
         co.close()
     homo = {(r["prefill_tp"], r["kv_heads"]): r["gbps"] for r in records if r["prefill_tp"] == r["decode_tp"]}
