@@ -26,6 +26,7 @@ from enum import Enum
 
 import torch
 
+from sglang.srt.mem_cache.allocator import PagedAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
 from sglang.srt.mem_cache.hicache_config import WritePolicy
 from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
@@ -142,6 +143,7 @@ class HiCacheController:
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
         self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
+        self._slot_bytes_cache: dict[PoolName, int] = {}
         logger.info(
             "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s",
             [n.value for n in self.bindings], self.write_policy.value, self.layer_num, device,
@@ -170,10 +172,19 @@ class HiCacheController:
         """``num_slots`` slots (whole pages) of pool ``name`` on ``tier``; None when short."""
         return self._allocator(tier, name).alloc(num_slots)
 
-    def free(self, tier: Tier, name: PoolName, indices: torch.Tensor) -> None:
-        """Return slots; ValueError on a double free (nothing freed then)."""
-        if indices.numel():
-            self._allocator(tier, name).free(indices)
+    def free(self, tier: Tier, name: PoolName, indices: torch.Tensor, trusted: bool = False) -> None:
+        """Return slots; ValueError on a double free (nothing freed then). ``trusted``: slot
+        lists the tree checked for whole pages when they entered it (``PagedAllocator.free``):
+        a paged allocator (a host pool's own, which its ``free`` delegates to) skips that check."""
+        if not indices.numel():
+            return
+        alloc = self._allocator(tier, name)
+        if trusted:
+            paged = alloc if isinstance(alloc, PagedAllocator) else getattr(alloc, "allocator", None)
+            if isinstance(paged, PagedAllocator):
+                paged.free(indices, trusted=True)
+                return
+        alloc.free(indices)
 
     def held_host_indices(self, name: PoolName | None = None) -> list[torch.Tensor]:
         """Host slots of pool ``name`` (default: the anchor) held by storage operations:
@@ -240,14 +251,20 @@ class HiCacheController:
         (storage: the backend's get_stats() merged with the controller's; empty without L3)."""
         return {"l2": self.l2_counters.snapshot(), "l3": self.storage.stats() if self.storage is not None else {}}
 
+    def _slot_bytes(self, name: PoolName) -> int:
+        """Host bytes one slot of pool ``name`` moves (every pool of its binding), cached."""
+        n = self._slot_bytes_cache.get(name)
+        if n is None:
+            n = self._slot_bytes_cache[name] = sum(host.get_size_per_token() for host, _ in self._binding(name).pairs)
+        return n
+
     def _count_l2(self, transfers: list[L2Transfer], direction: str) -> None:
         pages = bytes_moved = 0
         for t in transfers:
             slots = t.host_indices.numel()
             if t.name is self.anchor_name:
                 pages += slots // self.page_size
-            for host, _ in self._binding(t.name).pairs:
-                bytes_moved += slots * host.get_size_per_token()
+            bytes_moved += slots * self._slot_bytes(t.name)
         self.l2_counters.add(**{f"pages_{direction}": pages, f"bytes_{direction}": bytes_moved})
 
     def _counted(self, job):
@@ -297,7 +314,7 @@ class HiCacheController:
             for ev in events:
                 ev.record()
 
-        self.write_lane.submit(self._counted(job), events)
+        self.write_lane.submit(self._counted(job), events, short=True)
 
     def synchronize_writes(self) -> None:
         """Block until every write so far (deferred ones included) has run."""
@@ -335,7 +352,7 @@ class HiCacheController:
 
         self._count_l2(op.transfers, "loaded")
         try:
-            self.load_lane.submit(self._counted(job), layer_events.events)
+            self.load_lane.submit(self._counted(job), layer_events.events, short=True)
         except BaseException as exc:  # never leave armed events that nobody will record
             for ev in layer_events.events:
                 ev.fail(exc)

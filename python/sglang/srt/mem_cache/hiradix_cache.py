@@ -78,6 +78,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         super()._new_root()
         self.root_node.host_value = empty_indices()
         self._host_leaves: dict[int, TreeNode] = {}  # candidates of host eviction (hiradix_eviction.py)
+        self._host_heap: list[tuple] = []  # (priority when pushed, node) over them, stale entries skipped
 
     # ---- per-node slots (extended by hybrid trees) -------------------------------------------
     def _device_slots(self, node: TreeNode) -> dict[PoolName, torch.Tensor]:
@@ -96,7 +97,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         freed = {}
         for name, idx in slots.items():
             if idx is not None:
-                self.cache_controller.free(tier, name, idx)
+                self.cache_controller.free(tier, name, idx, trusted=True)  # a node's own slots
                 freed[name] = idx.numel()
         return freed
 
@@ -112,23 +113,29 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     # ---- match -------------------------------------------------------------------------------
     def _match_result(self, path: list[TreeNode]) -> MatchResult:
-        k = 0
-        while k < len(path) and not path[k].evicted:
-            k += 1
-        host_part = path[k:]
-        if any(not n.backuped for n in host_part):
-            raise CacheIntegrityError("a node with neither a device nor a host copy is in the tree")
-        device = torch.cat([n.value for n in path[:k]]) if k else empty_indices()
+        values = []
+        for n in path:
+            v = n.value
+            if v is None:
+                break
+            values.append(v)
+        k = len(values)
+        host_len = 0
+        for n in path[k:]:
+            if n.host_value is None:
+                raise CacheIntegrityError("a node with neither a device nor a host copy is in the tree")
+            host_len += len(n.key)
+        device = torch.cat(values) if k else empty_indices()
         last_device = path[k - 1] if k else self.root_node
         last_host = path[-1] if path else self.root_node
-        return MatchResult(device, last_device, last_host, sum(len(n.key) for n in host_part))
+        return MatchResult(device, last_device, last_host, host_len)
 
     # ---- insert and backup -------------------------------------------------------------------
     def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
-        if not node.evicted:
+        if node.value is not None:  # not evicted (the property costs a call per node on the path)
             return False
         node.value = value.clone()
-        self.evictable_size_ += len(value)
+        self.evictable_size_ += value.numel()
         return True
 
     def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
@@ -138,7 +145,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         due = []
         for node, _ in touched:
             node.hit_count += 1
-            if not node.backuped and node.hit_count >= threshold and node.id not in self._due_backups:
+            if node.host_value is None and node.hit_count >= threshold and node.id not in self._due_backups:
                 due.append(node)
         if not due:
             return
@@ -146,7 +153,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             self._write_backup_nodes(due)
             return
         for node in due:  # locked now, as a queued write would be; backed up at flush_backups
-            self.inc_lock_ref(node)
+            self._lock_path(node)  # on the insert's path: attached, on device
             self._due_backups[node.id] = node
 
     def flush_backups(self) -> int:
@@ -158,14 +165,14 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             return 0
         nodes, self._due_backups = list(self._due_backups.values()), {}
         for node in nodes:
-            self.dec_lock_ref(node)
-        nodes = [n for n in nodes if not n.evicted and not n.backuped]
+            self._unlock_path(node)  # the lock _on_inserted took
+        nodes = [n for n in nodes if n.value is not None and n.host_value is None]  # on device, not backed up
         return self._write_backup_nodes(nodes) if nodes else 0
 
     def _drop_due_backups(self) -> None:
         nodes, self._due_backups = list(self._due_backups.values()), {}
         for node in nodes:
-            self.dec_lock_ref(node)
+            self._unlock_path(node)
 
     def write_backup(self, node: TreeNode) -> int:
         """Back ``node`` up to host now (asynchronously; locked until acknowledged).
@@ -180,11 +187,13 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     def _assign_host(self, nodes: list[TreeNode], host: dict[PoolName, torch.Tensor]) -> list[L2Transfer]:
         """Give ``nodes`` their host slots (in order); the transfers that fill them."""
-        off = 0
-        for n in nodes:
-            n.host_value = host[self.KV][off : off + len(n.key)].clone()
-            off += len(n.key)
-        return [L2Transfer(self.KV, host[self.KV], torch.cat([n.value for n in nodes]))]
+        slots, off = host[self.KV], 0
+        for n in nodes:  # views of the fresh allocation: nothing writes slot lists in place
+            k = len(n.key)
+            n.host_value = slots[off : off + k]
+            off += k
+        values = [n.value for n in nodes]
+        return [L2Transfer(self.KV, slots, values[0] if len(values) == 1 else torch.cat(values))]
 
     def _write_backup_nodes(self, nodes: list[TreeNode]) -> int:
         host = self._reserve(Tier.HOST, self._backup_need(nodes))
@@ -192,8 +201,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             logger.debug("backup of %d nodes refused: host pool full on some rank", len(nodes))
             return 0
         transfers = self._assign_host(nodes, host)
-        for n in nodes:
-            self.inc_lock_ref(n)
+        for n in nodes:  # attached device nodes (callers check; ancestors of one are on device)
+            self._lock_path(n)
             self.ongoing_write_through[n.id] = n
             self._write_tokens[n.id] = len(n.key)
         self.cache_controller.write(transfers, [n.id for n in nodes])
@@ -232,7 +241,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         leaf.hash_value = page_hashes(leaf.key.ids, self.page_size, leaf.prior_hash())
         leaf.last_access_time = now
         self._attach(parent, leaf)
-        self._host_leaves[leaf.id] = leaf
+        self._add_host_leaf(leaf)
         return leaf
 
     # ---- load back ---------------------------------------------------------------------------
@@ -297,19 +306,24 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         Mutates: unlocks acknowledged nodes. Raises HiCacheTransferError on every rank when a
         transfer failed on any rank.
         """
-        local = self.cache_controller.local_progress() + self._storage_progress()
+        controller = self.cache_controller
+        if self.storage is None and not controller.ack_write_queue and not controller.ack_load_queue:
+            # Nothing to consume. Every rank queued the same acks and popped the agreed counts,
+            # so the queues are empty on all of them at once: all skip the collective together.
+            return
+        local = controller.local_progress() + self._storage_progress()
         agreed = self.agreement.min(local)
         writes, loads, ok = agreed[:3]
         if not ok:
             raise HiCacheTransferError("a host transfer failed on at least one TP rank")
-        for ack in self.cache_controller.pop_write_acks(writes):
+        for ack in controller.pop_write_acks(writes):
             for nid in ack.node_ids:
                 node = self.ongoing_write_through.pop(nid)
-                self.dec_lock_ref(node)
+                self._unlock_path(node)  # the lock _write_backup_nodes took
                 self._on_write_done(node)
-        for ack in self.cache_controller.pop_load_acks(loads):
+        for ack in controller.pop_load_acks(loads):
             for nid in ack.node_ids:
-                self.dec_lock_ref(self.ongoing_load_back.pop(nid))
+                self._unlock_path(self.ongoing_load_back.pop(nid))  # init_load_back's lock
         self._on_storage_progress(agreed[3:])
 
     # ---- reset and integrity -----------------------------------------------------------------

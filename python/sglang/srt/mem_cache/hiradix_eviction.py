@@ -10,7 +10,11 @@ policy order: a backed-up node keeps its host copy, others are written back firs
 host-only subtree. Host eviction drops host-only leaves nobody pins (``protect_host``),
 deleting them from the tree; it reads them from ``_host_leaves`` (node id -> node), a superset
 kept up to date wherever a node can become one (its device copy released while childless, a
-new host leaf, a deleted child) and pruned lazily, so it never walks the whole tree.
+new host leaf, a deleted child: ``_add_host_leaf``) and pruned lazily, so it never walks the
+whole tree. ``_host_heap`` orders them across calls: each addition pushes (priority, node), and
+a pop whose node is gone, no longer a leaf, pinned (kept aside, pushed back after) or whose
+priority moved since (priorities only grow: access time and count) is skipped or re-pushed, so
+an eviction costs O(evicted * log n) instead of rebuilding a heap of every host leaf per call.
 
 A mixin of HiRadixCache: it uses the tree's ``cache_controller``, ``agreement``, ``KV``,
 ``write_policy``, ``_priority``, ``_all_nodes`` and the per-node slot hooks.
@@ -66,12 +70,12 @@ class TierEvictionMixin:
 
     # ---- device eviction ---------------------------------------------------------------------
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        return (
-            node is not self.root_node
-            and not node.evicted
-            and node.lock_ref == 0
-            and all(c.evicted for c in node.children.values())
-        )
+        if node is self.root_node or node.value is None or node.lock_ref:
+            return False
+        for c in node.children.values():
+            if c.value is not None:
+                return False
+        return True
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots from unlocked device leaves (a node whose
@@ -84,28 +88,35 @@ class TierEvictionMixin:
     def _device_leaves(self) -> list[TreeNode]:
         """Unlocked device leaves (``_is_device_leaf``). Device copies are downward closed, so
         the walk never enters a host-only subtree: its cost is bounded by the device pool."""
-        out, stack = [], [self.root_node]
+        root = self.root_node
+        out, stack = [], [root]
         while stack:
             node = stack.pop()
-            below = [c for c in node.children.values() if not c.evicted]
-            if below:
-                stack.extend(below)
-            elif node is not self.root_node and node.lock_ref == 0:
+            leaf = True
+            for c in node.children.values():
+                if c.value is not None:  # not c.evicted (one call less per child: this runs per eviction)
+                    stack.append(c)
+                    leaf = False
+            if leaf and node is not root and node.lock_ref == 0:
                 out.append(node)
         return out
 
     def _evict_device_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
-        freed = {n: 0 for n in deficits}
-        heap = [(self._priority(n), n) for n in self._device_leaves()]
+        freed = dict.fromkeys(deficits, 0)
+        priority = self._priority
+        heap = [(priority(n), n) for n in self._device_leaves()]
         heapq.heapify(heap)
         outer, self._device_free_batch = self._device_free_batch, []  # one allocator call per pool
         try:
-            while heap and any(freed[n] < d for n, d in deficits.items()):
+            short = bool(heap) and any(freed[n] < d for n, d in deficits.items())
+            while short and heap:
                 _, node = heapq.heappop(heap)
                 for name, count in self._evict_device_node(node).items():
                     freed[name] = freed.get(name, 0) + count
-                if self._is_device_leaf(node.parent):
-                    heapq.heappush(heap, (self._priority(node.parent), node.parent))
+                parent = node.parent
+                if self._is_device_leaf(parent):
+                    heapq.heappush(heap, (priority(parent), parent))
+                short = any(freed[n] < d for n, d in deficits.items())
         finally:
             batch, self._device_free_batch = self._device_free_batch, outer
             self._free_batched(Tier.DEVICE, batch)
@@ -118,11 +129,11 @@ class TierEvictionMixin:
             for name, idx in slots.items():
                 if idx is not None:
                     by_pool.setdefault(name, []).append(idx)
-        for name, parts in by_pool.items():
-            self.cache_controller.free(tier, name, parts[0] if len(parts) == 1 else torch.cat(parts))
+        for name, parts in by_pool.items():  # nodes' own slot lists: validated when they entered the tree
+            self.cache_controller.free(tier, name, parts[0] if len(parts) == 1 else torch.cat(parts), trusted=True)
 
     def _evict_device_node(self, node: TreeNode) -> dict[PoolName, int]:
-        if node.backuped:
+        if node.host_value is not None:  # backuped
             return self._release_device_copy(node, deferred=False)
         if self.write_policy is WritePolicy.WRITE_BACK and self._write_back(node):
             return self._release_device_copy(node, deferred=True)
@@ -135,10 +146,10 @@ class TierEvictionMixin:
         self.evictable_size_ -= len(node.key)
         self._clear_device(node)
         if not node.children:
-            self._host_leaves[node.id] = node
+            self._add_host_leaf(node)
         if deferred or self._device_free_batch is not None:
             (self._deferred_device_free if deferred else self._device_free_batch).append(slots)
-            return {name: len(idx) for name, idx in slots.items() if idx is not None}
+            return {name: idx.numel() for name, idx in slots.items() if idx is not None}
         return self._free_slots(Tier.DEVICE, slots)
 
     def _write_back(self, node: TreeNode) -> bool:
@@ -187,14 +198,6 @@ class TierEvictionMixin:
         return freed
 
     # ---- host eviction -----------------------------------------------------------------------
-    def _is_host_leaf(self, node: TreeNode) -> bool:
-        return (
-            node is not self.root_node
-            and node.evicted
-            and not node.children
-            and node.host_ref_counter == 0
-        )
-
     def evict_host(self, num_tokens: int) -> int:
         """Drop host-only leaves nobody pins, policy order, until ``num_tokens`` host slots are
         free; the nodes leave the tree. Returns host tokens freed (less when not enough)."""
@@ -202,40 +205,60 @@ class TierEvictionMixin:
             raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
         return self._evict_host_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
 
+    def _add_host_leaf(self, node: TreeNode) -> None:
+        """``node`` may have become a host-only leaf: a host eviction candidate from now on."""
+        self._host_leaves[node.id] = node
+        heapq.heappush(self._host_heap, (self._priority(node), node))
+        self._compact_host_heap()  # bounded even when no host eviction ever pops the heap
+
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
         self._host_leaves.pop(node.id, None)
         parent = node.parent
-        if parent is not self.root_node and parent.evicted and not parent.children:
-            self._host_leaves[parent.id] = parent
+        if parent is not self.root_node and parent.value is None and not parent.children:
+            self._add_host_leaf(parent)
 
-    def _host_leaf_nodes(self) -> list[TreeNode]:
-        """Host-only leaves nobody pins; drops candidates that are no longer leaves (loaded back
-        or given a child: they come back through the paths above) and keeps pinned ones. Nodes
-        leave the tree only through ``_delete_leaf`` and ``_drop_subtree``, which drop them."""
-        leaves = self._host_leaves
-        for nid, node in list(leaves.items()):
-            if not node.evicted or node.children:
-                del leaves[nid]
-        return [n for n in leaves.values() if n.host_ref_counter == 0]
+    def _compact_host_heap(self) -> None:
+        """Rebuild ``_host_heap`` from the candidates when stale entries (of nodes gone, loaded
+        back or pushed again) dominate it: amortised O(1) per push, and nodes that left the tree
+        are not kept alive by it for long."""
+        heap, leaves = self._host_heap, self._host_leaves
+        if len(heap) > 2 * len(leaves) + 64:
+            self._host_heap = heap = [(self._priority(n), n) for n in leaves.values()]
+            heapq.heapify(heap)
 
     def _evict_host_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
-        freed = {n: 0 for n in deficits}
-        heap = [(self._priority(n), n) for n in self._host_leaf_nodes()]
-        heapq.heapify(heap)
+        freed = dict.fromkeys(deficits, 0)
+        self._compact_host_heap()
+        heap, leaves, priority = self._host_heap, self._host_leaves, self._priority
+        pinned: list[tuple] = []  # candidates still, once unpinned: pushed back at the end
         batch: list[dict[PoolName, torch.Tensor]] = []  # one allocator call per pool at the end
-        while heap and any(freed[n] < d for n, d in deficits.items()):
-            _, node = heapq.heappop(heap)
-            slots = self._host_slots(node)
-            batch.append(slots)
-            for name, idx in slots.items():
-                if idx is not None:
-                    freed[name] = freed.get(name, 0) + idx.numel()
-            self._clear_host(node)
-            self._delete_leaf(node)
-            if self._is_host_leaf(node.parent):
-                heapq.heappush(heap, (self._priority(node.parent), node.parent))
-        self._free_batched(Tier.HOST, batch)
+        try:
+            while heap and any(freed[n] < d for n, d in deficits.items()):
+                key, node = heapq.heappop(heap)
+                if leaves.get(node.id) is not node:
+                    continue  # left the tree, or a duplicate entry of one evicted already
+                if node.value is not None or node.children:
+                    del leaves[node.id]  # loaded back or given a child: comes back when a leaf again
+                    continue
+                if node.host_ref_counter:
+                    pinned.append((key, node))
+                    continue
+                now = priority(node)
+                if now != key:  # accessed since it was pushed: its place is later
+                    heapq.heappush(heap, (now, node))
+                    continue
+                slots = self._host_slots(node)
+                batch.append(slots)
+                for name, idx in slots.items():
+                    if idx is not None:
+                        freed[name] = freed.get(name, 0) + idx.numel()
+                self._clear_host(node)
+                self._delete_leaf(node)  # pushes the parent when it becomes a host leaf
+        finally:
+            for entry in pinned:
+                heapq.heappush(heap, entry)
+            self._free_batched(Tier.HOST, batch)
         return freed
 
     def protect_host(self, node: TreeNode) -> None:

@@ -250,7 +250,7 @@ class RadixCache(RequestCacheMixin):
 
     def _evict_device_node(self, node: TreeNode) -> int:
         """Hook: evict one unlocked device leaf; return the device tokens freed."""
-        self.token_to_kv_pool_allocator.free(node.value)
+        self.token_to_kv_pool_allocator.free(node.value, trusted=True)  # validated at insert
         self.evictable_size_ -= len(node.value)
         self._delete_leaf(node)
         return len(node.key)
@@ -292,12 +292,19 @@ class RadixCache(RequestCacheMixin):
             if x.value is None:
                 raise ValueError(f"inc_lock_ref: node {x.id} has no device copy to protect")
             x = x.parent
-        delta = 0
-        while node is not self.root_node:
+        return self._lock_path(node)
+
+    def _lock_path(self, node: TreeNode) -> int:
+        """``inc_lock_ref`` without its checks, for the tree's own locks on a node it knows is
+        attached with its ancestors on device (a node just inserted, or one it holds locked):
+        the checks walk the path twice more, several times a step (issue 9)."""
+        root, delta = self.root_node, 0
+        while node is not root:
             if node.lock_ref == 0:
-                self.evictable_size_ -= len(node.value)
-                self.protected_size_ += len(node.value)
-                delta -= len(node.value)
+                n = node.value.numel()  # Tensor.__len__ is a Python call
+                self.evictable_size_ -= n
+                self.protected_size_ += n
+                delta -= n
             node.lock_ref += 1
             node = node.parent
         return delta
@@ -313,13 +320,18 @@ class RadixCache(RequestCacheMixin):
             if x.lock_ref <= 0:
                 raise ValueError(f"dec_lock_ref: node {x.id} is not locked")
             x = x.parent
-        delta = 0
-        while node is not self.root_node:
+        return self._unlock_path(node)
+
+    def _unlock_path(self, node: TreeNode) -> int:
+        """``dec_lock_ref`` without its checks, for the tree's own unlock of a lock it took."""
+        root, delta = self.root_node, 0
+        while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_size_ += len(node.value)
-                self.protected_size_ -= len(node.value)
-                delta += len(node.value)
+                n = node.value.numel()
+                self.evictable_size_ += n
+                self.protected_size_ -= n
+                delta += n
             node = node.parent
         return delta
 

@@ -1,0 +1,138 @@
+"""The per-step HiCache bookkeeping made cheap in issue 9 keeps its meaning: an idle
+``check_hicache_events`` issues no collective (all ranks skip together) but one with a write in
+flight does; a deferred backup whose copy runs in the submitting thread (a short job) still locks
+its nodes until the next ack; the unchecked lock walks move sizes exactly like the checked ones;
+the allocator still catches a page named twice in an unsorted free, and a trusted free still
+checks the range and double frees; host eviction keeps policy order across calls."""
+
+import pytest
+import torch
+from tree_fixtures import make_hicache
+
+from sglang.srt.mem_cache import transfer_lane
+from sglang.srt.mem_cache.allocator import PagedAllocator
+from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=3, suite="per-commit-cpu")
+
+P = 2
+
+
+def insert(h, tokens):
+    slots = h.token_to_kv_pool_allocator.alloc(len(tokens))
+    assert h.insert(RadixKey(tokens), slots) == 0
+    return h.match_prefix(RadixKey(tokens)).last_device_node
+
+
+def test_idle_check_issues_no_collective_and_a_pending_write_does():
+    h = make_hicache(page_size=P, device_pages=8, host_pages=16)
+    calls = h.agreement.num_calls
+    for _ in range(3):
+        h.check_hicache_events()
+    assert h.agreement.num_calls == calls  # nothing queued on any rank: every rank skips
+    node = insert(h, [1, 2, 3, 4])  # write-through: backed up at once, locked until acked
+    assert h.ongoing_write_through and node.lock_ref == 1
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert h.agreement.num_calls > calls and not h.ongoing_write_through and node.lock_ref == 0
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
+    monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", 1.0)  # every measured copy counts as short
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32)
+    h.defer_backups = True
+    h.cache_controller.defer_writes = True
+    lane = h.cache_controller.write_lane
+    nodes = []
+    for i in range(3):
+        nodes.append(insert(h, [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4]))
+        assert nodes[-1].lock_ref == 1 and nodes[-1].host_value is None  # due: locked, not yet written
+        assert h.flush_backups() == 4
+        h.cache_controller.flush_writes()
+        assert nodes[-1].lock_ref == 1 and nodes[-1].host_value is not None  # written, locked until acked
+        h.check_integrity()
+        h.check_hicache_events()
+        assert nodes[-1].lock_ref == 0 and not h.ongoing_write_through
+    assert lane.num_inline >= 1  # the first copy was measured on the worker, later ones ran here
+    assert h.evict(12) == 12 and all(n.evicted and n.backuped for n in nodes)  # host copies kept
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_unchecked_lock_walks_match_the_checked_ones():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32, write_policy="write_back")
+    leaf = insert(h, [1, 2, 3, 4, 5, 6])
+    mid = h.match_prefix(RadixKey([1, 2, 3, 4])).last_device_node  # splits: leaf's parent
+    before = (h.evictable_size(), h.protected_size())
+    assert h._lock_path(leaf) == -6 and h.inc_lock_ref(leaf) == 0  # leaf 2 tokens + mid 4
+    assert (h.evictable_size(), h.protected_size()) == (before[0] - 6, before[1] + 6)
+    assert leaf.lock_ref == 2 and mid.lock_ref == 2
+    assert h._unlock_path(leaf) == 0  # still locked once
+    assert h.dec_lock_ref(leaf) == 6
+    assert (h.evictable_size(), h.protected_size()) == before and leaf.lock_ref == mid.lock_ref == 0
+    with pytest.raises(ValueError, match="is not locked"):
+        h.dec_lock_ref(leaf)  # the public call keeps its checks
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_host_eviction_keeps_policy_order_across_calls_and_skips_pinned_nodes():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32)
+    keys = {name: [base + i for i in range(4)] for name, base in (("a", 10), ("b", 20), ("c", 30), ("d", 40))}
+    nodes = {name: insert(h, k) for name, k in keys.items()}
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert h.evict(16) == 16 and all(n.evicted and n.backuped for n in nodes.values())
+    h.match_prefix(RadixKey(keys["b"]))  # b is now the most recent
+    h.protect_host(nodes["a"])  # a, the oldest, is pinned
+    order, freed = [], []
+    for _ in range(4):
+        alive = [name for name, n in nodes.items() if h._is_attached(n)]
+        freed.append(h.evict_host(4))
+        order += [name for name in alive if not h._is_attached(nodes[name])]
+    assert order == ["c", "d", "b"] and freed == [4, 4, 4, 0]  # LRU among the unpinned, b's access counted
+    h.release_host(nodes["a"])
+    assert h.evict_host(4) == 4 and not h._is_attached(nodes["a"])
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_host_eviction_heap_stays_bounded_without_host_evictions():
+    h = make_hicache(page_size=P, device_pages=8, host_pages=64)
+    tokens = [1, 2, 3, 4]
+    node = insert(h, tokens)
+    for _ in range(200):  # device copy dropped and loaded back: a push each time, never a host eviction
+        h.cache_controller.synchronize()
+        h.check_hicache_events()
+        assert h.evict(4) == 4 and node.evicted
+        m = h.match_prefix(RadixKey(tokens + [9, 9]))
+        assert m.host_hit_length == 4 and h.init_load_back(m.last_host_node, 4).numel() == 4
+        h.ready_to_load_host_cache()
+        h.cache_controller.synchronize()
+        h.check_hicache_events()
+    assert len(h._host_heap) <= 2 * len(h._host_leaves) + 64
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_free_catches_a_page_named_twice_in_any_order():
+    alloc = PagedAllocator(8, 2)
+    slots = alloc.alloc(8)  # pages 0..3
+    with pytest.raises(ValueError, match="same page twice"):
+        alloc.free(torch.tensor([6, 7, 2, 3, 6, 7]))  # unsorted, page 3 twice
+    assert alloc.available_size() == 8  # nothing was freed
+    alloc.free(torch.tensor([6, 7, 0, 1, 4, 5]))  # unsorted, unique
+    assert alloc.available_size() == 14
+    alloc.free(slots[2:4])
+    assert alloc.available_size() == 16
+    with pytest.raises(ValueError, match="double free"):
+        alloc.free(slots[:2], trusted=True)  # trusted skips the page check only
+    with pytest.raises(ValueError, match="out of range"):
+        alloc.free(torch.tensor([16, 17]), trusted=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
