@@ -70,10 +70,12 @@ class TierEvictionMixin:
 
     # ---- device eviction ---------------------------------------------------------------------
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        if node is self.root_node or node.value is None or node.lock_ref:
+        # ``_value``: the stored slot list behind the stamped ``value`` property (a read needs no
+        # stamp, and the property call costs as much as the rest of this test)
+        if node is self.root_node or node._value is None or node.lock_ref:
             return False
         for c in node.children.values():
-            if c.value is not None:
+            if c._value is not None:
                 return False
         return True
 
@@ -94,7 +96,7 @@ class TierEvictionMixin:
             node = stack.pop()
             leaf = True
             for c in node.children.values():
-                if c.value is not None:  # not c.evicted (one call less per child: this runs per eviction)
+                if c._value is not None:  # not c.evicted, nor the value property: this runs per eviction
                     stack.append(c)
                     leaf = False
             if leaf and node is not root and node.lock_ref == 0:
