@@ -116,11 +116,7 @@ class HiCacheFile(PagedStorage):
         return self.workers.map_slices(self._read_batch, pages, _page_bytes(pages))
 
     def _read_batch(self, pages: list[PageIO]) -> list[bool]:
-        if native_io.HASH:
-            layout = native_io.batch_layout(pages)
-            if layout is not None:
-                return self._read_native(pages, layout)
-        return self._read_python(pages)
+        return _native_or_python(pages, self._read_native, self._read_python)
 
     def _read_native(self, pages: list[PageIO], layout: native_io.BatchLayout) -> list[bool]:
         """:meth:`_read_python` in one native call: every object opened, read (payload and one
@@ -227,11 +223,7 @@ class HiCacheFile(PagedStorage):
         return self.workers.map_slices(self._write_batch, pages, _page_bytes(pages))
 
     def _write_batch(self, pages: list[PageIO]) -> list[bool]:
-        if native_io.HASH:
-            layout = native_io.batch_layout(pages)
-            if layout is not None:
-                return self._write_native(pages, layout)
-        return self._write_python(pages)
+        return _native_or_python(pages, self._write_native, self._write_python)
 
     def _write_native(self, pages: list[PageIO], layout: native_io.BatchLayout) -> list[bool]:
         """:meth:`_write_python` with the hashing and the file work of the whole batch in two
@@ -332,6 +324,13 @@ class HiCacheFile(PagedStorage):
                     if entry.name.endswith(SUFFIX):
                         unlink_quiet(entry.path)
         self.evictor.clear()
+
+
+def _native_or_python(pages: list[PageIO], native, python) -> list[bool]:
+    """``native(pages, layout)`` when the native helper hashes and the pages have a batch layout
+    (``native_io``), else ``python(pages)``."""
+    layout = native_io.batch_layout(pages) if native_io.HASH else None
+    return python(pages) if layout is None else native(pages, layout)
 
 
 def _page_bytes(pages: list[PageIO]) -> int:
