@@ -180,6 +180,25 @@ class HostKVCache:
             raise ValueError(f"device page_size {device_pool.page_size} != host page_size {self.page_size}")
 
     def _check_transfer(self, device_pool: KVCache, host_indices, device_indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validated CPU int64 views of both index lists. A load checks the same two tensors once
+        per layer: the last pair checked is remembered (with torch's in-place version counters,
+        so a tensor modified in place since is checked again; only tensors used as they are, never
+        converted copies), and only the first layer pays (~20 us of Python under the GIL each,
+        issue 9)."""
+        last = self._last_checked
+        if (last is not None and last[0] is host_indices and last[1] is device_indices and last[2] is device_pool
+                and last[3] == host_indices._version and last[4] == device_indices._version):
+            return host_indices, device_indices
+        host_idx, dev_idx = self._check_transfer_uncached(device_pool, host_indices, device_indices)
+        if host_idx is host_indices and dev_idx is device_indices:  # already CPU int64: nothing converted
+            # one tuple, swapped atomically (the write and load lanes share the pool)
+            self._last_checked = (host_indices, device_indices, device_pool, host_indices._version,
+                                  device_indices._version)
+        return host_idx, dev_idx
+
+    _last_checked = None
+
+    def _check_transfer_uncached(self, device_pool: KVCache, host_indices, device_indices):
         self._check_device_pool(device_pool)
         host_idx = as_cpu_index(host_indices, "host indices")
         dev_idx = as_cpu_index(device_indices, "device indices")

@@ -95,3 +95,23 @@ def test_other_device_pool_of_same_geometry_works(pools):
         host.load_to_device_per_layer(twin, torch.arange(0, 4), torch.arange(8, 12), layer)
     for name in ("k", "v"):
         assert torch.equal(as_bytes(twin.buffers[name][:, 8:12]), as_bytes(dev.buffers[name][:, 4:8]))
+
+
+def test_indices_checked_once_per_load_and_again_after_an_in_place_change(pools, monkeypatch):
+    """A load checks the same index tensors once for all its layers; a tensor changed in place
+    since (torch bumps its version) is checked again and refused."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    dev, host = pools
+    calls = []
+    real = base.check_page_aligned
+    monkeypatch.setattr(base, "check_page_aligned", lambda *a, **k: calls.append(1) or real(*a, **k))
+    host_idx, dev_idx = torch.arange(0, 8), torch.arange(8, 16)
+    for layer in range(host.layer_num):
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, layer)
+    assert len(calls) == 2  # host and device indices, once
+    host_idx[0] = 1  # now not page aligned
+    before = snapshot(dev, host)
+    with pytest.raises(ValueError, match="not 4 consecutive slots|page starts at slot"):
+        host.load_to_device_per_layer(dev, host_idx, dev_idx, 0)
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(dev, host)))
