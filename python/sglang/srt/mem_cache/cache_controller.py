@@ -26,7 +26,6 @@ from enum import Enum
 
 import torch
 
-from sglang.srt.mem_cache.allocator import PagedAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
 from sglang.srt.mem_cache.hicache_config import WritePolicy
 from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
@@ -174,17 +173,15 @@ class HiCacheController:
 
     def free(self, tier: Tier, name: PoolName, indices: torch.Tensor, trusted: bool = False) -> None:
         """Return slots; ValueError on a double free (nothing freed then). ``trusted``: slot
-        lists the tree checked for whole pages when they entered it (``PagedAllocator.free``):
-        a paged allocator (a host pool's own, which its ``free`` delegates to) skips that check."""
+        lists the tree checked for whole pages when they entered it: the allocator skips that
+        check (``PagedAllocator.free``; the pools pass it on to theirs)."""
         if not indices.numel():
             return
         alloc = self._allocator(tier, name)
         if trusted:
-            paged = alloc if isinstance(alloc, PagedAllocator) else getattr(alloc, "allocator", None)
-            if isinstance(paged, PagedAllocator):
-                paged.free(indices, trusted=True)
-                return
-        alloc.free(indices)
+            alloc.free(indices, trusted=True)
+        else:
+            alloc.free(indices)
 
     def held_host_indices(self, name: PoolName | None = None) -> list[torch.Tensor]:
         """Host slots of pool ``name`` (default: the anchor) held by storage operations:

@@ -47,8 +47,8 @@ class MambaPool(KVCache):
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self.allocator.alloc(need_size)
 
-    def free(self, indices) -> None:
-        self.allocator.free(indices)
+    def free(self, indices, trusted: bool = False) -> None:
+        self.allocator.free(indices, trusted=trusted)
 
     def available_size(self) -> int:
         return self.allocator.available_size()

@@ -54,6 +54,7 @@ class HostKVCache:
     """
 
     kind: PoolKind
+    _last_checked = None  # (host indices, device indices, device pool, their versions): see _check_transfer
 
     def __init__(
         self,
@@ -155,10 +156,11 @@ class HostKVCache:
         """Allocate ``need_size`` slots (a page multiple); None when the pool is full."""
         return self.allocator.alloc(need_size)
 
-    def free(self, indices) -> int:
-        """Free whole pages of slots; ValueError on partial pages or a double free. Returns count."""
+    def free(self, indices, trusted: bool = False) -> int:
+        """Free whole pages of slots; ValueError on partial pages or a double free. Returns count.
+        ``trusted``: see ``PagedAllocator.free``."""
         idx = as_cpu_index(indices, "host indices")
-        self.allocator.free(idx)
+        self.allocator.free(idx, trusted=trusted)
         return idx.numel()
 
     def available_size(self) -> int:
@@ -195,8 +197,6 @@ class HostKVCache:
             self._last_checked = (host_indices, device_indices, device_pool, host_indices._version,
                                   device_indices._version)
         return host_idx, dev_idx
-
-    _last_checked = None
 
     def _check_transfer_uncached(self, device_pool: KVCache, host_indices, device_indices):
         self._check_device_pool(device_pool)

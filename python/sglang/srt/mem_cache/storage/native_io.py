@@ -72,11 +72,6 @@ class Iovecs:
     def objects(self) -> int:
         return len(self.starts) - 1
 
-    def payload_bytes(self) -> np.ndarray:
-        """Bytes of each object (int64)."""
-        total = np.concatenate(([0], np.cumsum(self.lens)))
-        return total[self.starts[1:]] - total[self.starts[:-1]]
-
     def with_tails(self, tails: np.ndarray) -> Iovecs:
         """These iovecs with row i of ``tails`` (a C-contiguous 2-D uint8 array) appended to object i."""
         n, iov = self.objects, len(self.addrs)
@@ -176,10 +171,9 @@ class BatchLayout:
         keep_iov = np.repeat(keep_obj, counts)
         starts = np.concatenate(([0], np.cumsum(counts[idx]))).astype(np.int64)
         per_page = [n for n, k in zip(self.per_page, keep.tolist()) if k]
-        first = np.concatenate(([0], np.cumsum(per_page)[:-1])).astype(np.int64) if per_page else np.zeros(0, np.int64)
         iov = Iovecs(self.iov.addrs[keep_iov], self.iov.lens[keep_iov], starts)
-        return BatchLayout(iov, [self.names[i] for i in idx.tolist()], self.nbytes[idx], per_page, first,
-                           self.object_index[idx])
+        return BatchLayout(iov, [self.names[i] for i in idx.tolist()], self.nbytes[idx], per_page,
+                           _first_objects(per_page), self.object_index[idx])
 
     def page_flags(self, good: np.ndarray) -> np.ndarray:
         """Per page: whether every one of its objects is ``good`` (bool per object)."""
@@ -209,6 +203,9 @@ def batch_layout(pages) -> BatchLayout | None:
         i = j
     if not parts:
         return None
-    counts = np.asarray(per_page, dtype=np.int64)
-    first = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
-    return BatchLayout(Iovecs.concat(parts), names, np.concatenate(nbytes), per_page, first)
+    return BatchLayout(Iovecs.concat(parts), names, np.concatenate(nbytes), per_page, _first_objects(per_page))
+
+
+def _first_objects(per_page: list[int]) -> np.ndarray:
+    """Index of each page's first object, given the objects per page (int64)."""
+    return np.concatenate(([0], np.cumsum(per_page, dtype=np.int64)[:-1])).astype(np.int64)

@@ -26,7 +26,11 @@ class PageViews:
         self._arrays = [b.numpy() for b in host_pool.get_host_buffers()]
         self._bases = [b.data_ptr() for b in host_pool.get_host_buffers()]
         self._chunks = self._affine_chunks()  # (buffer, offset of page 0, stride, bytes) per chunk
-        self._affine = None  # the same as int64 arrays (address of page 0, stride, bytes), for iovecs
+        # the same as int64 arrays (address of page 0, stride, bytes), for iovecs
+        self._affine = None if self._chunks is None else (
+            np.array([self._bases[b] + off for b, off, _, _ in self._chunks], dtype=np.int64),
+            np.array([stride for _, _, stride, _ in self._chunks], dtype=np.int64),
+            np.array([n for *_, n in self._chunks], dtype=np.int64))
         if self._chunks is None:
             logger.info("%s: pages are not affine in the host buffers; using get_data_page",
                         type(host_pool).__name__)
@@ -78,13 +82,8 @@ class PageViews:
         """(addresses, lengths) as int64 arrays of every chunk of ``pages`` (page indices), page
         after page in chunk order; None when the pages are not affine. The caller keeps the
         pages in range (PoolCodec validates host indices first)."""
-        if self._chunks is None:
-            return None
         if self._affine is None:
-            c = self._chunks
-            self._affine = (np.array([self._bases[b] + off for b, off, _, _ in c], dtype=np.int64),
-                            np.array([stride for _, _, stride, _ in c], dtype=np.int64),
-                            np.array([n for *_, n in c], dtype=np.int64))
+            return None
         first, stride, lens = self._affine
         addrs = first[None, :] + pages.astype(np.int64)[:, None] * stride[None, :]
         return addrs.reshape(-1), np.tile(lens, len(pages))

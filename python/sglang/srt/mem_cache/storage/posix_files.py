@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import threading
 
@@ -78,6 +79,18 @@ def unlink_quiet(path: str) -> bool:
         return True
     except OSError:  # absent, or a read-only directory: the caller's miss stands either way
         return False
+
+
+class TempNames:
+    """Tags of private temporary files, ``<final path><tag><n>``: unique per process, thread and
+    call, so concurrent writers never share one; stale ones are found by ``.tmp.``."""
+
+    def __init__(self):
+        self._ids = itertools.count()
+        self._pid = os.getpid()
+
+    def tag(self) -> str:
+        return f".tmp.{self._pid}.{threading.get_ident()}.{next(self._ids)}."
 
 
 class CommitLock:

@@ -290,8 +290,7 @@ static PyObject *hash_iovs(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyMem_Free(iov);
     xxh3.release(state);
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = Py_NewRef(Py_None);
 done:
     release(b, 4);
     return ret;
@@ -359,17 +358,14 @@ static PyObject *read_files(PyObject *self, PyObject *args) {
         iov[n].iov_len = (size_t)tail_len;
         counts[i] = move_all(fd, iov, n + 1, 0);
         close(fd);
-        if (hash && counts[i] == payload + trailer_bytes) {
-            fill_iov(iov, addrs, lens, st[i], n); /* move_all does not touch a read's iovecs, but be plain */
+        if (hash && counts[i] == payload + trailer_bytes) /* a read leaves the iovecs as they were */
             sums[i] = n ? hash_iov(iov, n, state) : xxh3.oneshot("", 0);
-        }
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(iov);
     if (state)
         xxh3.release(state);
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = Py_NewRef(Py_None);
 done:
     free_paths(&p);
     release(b, 5);
@@ -431,8 +427,7 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(iov);
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = Py_NewRef(Py_None);
 done:
     free_paths(&tp);
     free_paths(&fp);
@@ -475,8 +470,7 @@ static PyObject *open_files(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = Py_NewRef(Py_None);
 done:
     free_paths(&p);
     release(b, 2);
@@ -525,8 +519,7 @@ static PyObject *rename_files(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < sp.n; i++)
         errs[i] = rename(sp.paths[i], dp.paths[i]) < 0 ? -errno : 0;
     Py_END_ALLOW_THREADS
-    ret = Py_None;
-    Py_INCREF(ret);
+    ret = Py_NewRef(Py_None);
 done:
     free_paths(&sp);
     free_paths(&dp);

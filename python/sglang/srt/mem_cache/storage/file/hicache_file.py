@@ -23,11 +23,9 @@ file backend's get from 0.52x to 0.65-0.71x of plain ``preadv`` (``bench_storage
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import shutil
-import threading
 
 import numpy as np
 
@@ -37,7 +35,14 @@ from sglang.srt.mem_cache.storage import batch_trailers, native_io
 from sglang.srt.mem_cache.storage.integrity import page_is_whole, read_trailer
 from sglang.srt.mem_cache.storage.page_workers import PageWorkers
 from sglang.srt.mem_cache.storage.paged_storage import PagedStorage
-from sglang.srt.mem_cache.storage.posix_files import READ_FLAGS, create_exclusive, open_read, prepare_root, unlink_quiet
+from sglang.srt.mem_cache.storage.posix_files import (
+    READ_FLAGS,
+    TempNames,
+    create_exclusive,
+    open_read,
+    prepare_root,
+    unlink_quiet,
+)
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO, PoolCodec
 
 logger = logging.getLogger(__name__)
@@ -63,8 +68,7 @@ class HiCacheFile(PagedStorage):
             logger.warning("HiCacheFile: %s is not writable: serving reads only, every set is a miss", self.root)
         cap = int(opts["capacity_gb"] * (1 << 30)) or shutil.disk_usage(self.root).free // 2
         self.evictor = LRUEvictor(max(cap, 1))
-        self._tmp_ids = itertools.count()
-        self._pid = os.getpid()
+        self.tmp_names = TempNames()
         self.workers = PageWorkers(opts["io_threads"], "hicache-file")
         self._scan()
         logger.info("HiCacheFile: %s, capacity %.2f GiB (%d files present), %d I/O threads", self.root,
@@ -74,6 +78,10 @@ class HiCacheFile(PagedStorage):
     # ---- paths --------------------------------------------------------------------------
     def path(self, name: str) -> str:
         return f"{self.root}/{name[:2]}/{name}{SUFFIX}"
+
+    def paths(self, names: list[str]) -> list[str]:
+        root = self.root
+        return [f"{root}/{n[:2]}/{n}{SUFFIX}" for n in names]
 
     def _scan(self) -> None:
         """Account the files already there, oldest first, and drop leftover temporary files."""
@@ -122,10 +130,9 @@ class HiCacheFile(PagedStorage):
         """:meth:`_read_python` in one native call: every object opened, read (payload and one
         byte more than its trailer) and hashed while still in the cache, without the GIL. Pages
         that fail the batch check go through :meth:`_settle_page`."""
-        names, root = layout.names, self.root
-        paths = [f"{root}/{n[:2]}/{n}{SUFFIX}" for n in names]
+        names = layout.names
         tails = np.empty((len(names), TRAILER_BYTES + 1), dtype=np.uint8)
-        counts, sums = native_io.read_files(paths, READ_FLAGS, layout.iov, tails, TRAILER_BYTES)
+        counts, sums = native_io.read_files(self.paths(names), READ_FLAGS, layout.iov, tails, TRAILER_BYTES)
         whole = counts == layout.nbytes + TRAILER_BYTES
         sums_list = sums.tolist()
         digests = batch_trailers.digests(sums_list, layout.per_page)
@@ -229,15 +236,15 @@ class HiCacheFile(PagedStorage):
         """:meth:`_write_python` with the hashing and the file work of the whole batch in two
         native calls. A page whose write failed because its bucket directory is gone is
         retried by the Python path (which recreates it)."""
-        names, root = layout.names, self.root
+        names = layout.names
         sums = native_io.hash_objects(layout.iov).tolist()
         digests = batch_trailers.digests(sums, layout.per_page)
         trailers = batch_trailers.build(names, layout.nbytes, sums, digests, TRAILER_BYTES)
         sizes = (layout.nbytes + TRAILER_BYTES).tolist()
         fits = self.evictor.reserve_many(names, sizes, self._evict)
         todo = layout if all(fits) else layout.subset(layout.page_flags(np.asarray(fits, dtype=bool)))
-        finals = [f"{root}/{n[:2]}/{n}{SUFFIX}" for n in todo.names]
-        tag = f".tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}."
+        finals = self.paths(todo.names)
+        tag = self.tmp_names.tag()
         tmps = [f"{p}{tag}{i}" for i, p in enumerate(finals)]
         errs = np.full(len(names), -errno.EFBIG, dtype=np.int64)
         rows = trailers if todo is layout else trailers[todo.object_index]
@@ -276,17 +283,17 @@ class HiCacheFile(PagedStorage):
         sums = batch_trailers.checksums([o.views for o in objs])
         digests = batch_trailers.digests(sums, [len(p.objects) for p in pages])
         trailers = batch_trailers.build([o.name for o in objs], [o.nbytes for o in objs], sums, digests, TRAILER_BYTES)
-        tmp_tag = f".tmp.{self._pid}.{threading.get_ident()}."
+        tmp_tag = self.tmp_names.tag()
         flags, i = [], 0
         for page in pages:
             ok = True
             for obj in page.objects:
-                ok = ok and self._write_object(obj, [*obj.views, trailers[i]], tmp_tag)
+                ok = ok and self._write_object(obj, [*obj.views, trailers[i]], f"{tmp_tag}{i}")
                 i += 1
             flags.append(ok)
         return flags
 
-    def _write_object(self, obj: ObjectIO, data: list, tmp_tag: str) -> bool:
+    def _write_object(self, obj: ObjectIO, data: list, tmp_suffix: str) -> bool:
         total = obj.nbytes + TRAILER_BYTES
         victims = self.evictor.reserve(obj.name, total)
         if victims is None:
@@ -296,7 +303,7 @@ class HiCacheFile(PagedStorage):
             unlink_quiet(self.path(victim))
         name = obj.name
         path = f"{self.root}/{name[:2]}/{name}{SUFFIX}"
-        tmp = f"{path}{tmp_tag}{next(self._tmp_ids)}"
+        tmp = f"{path}{tmp_suffix}"
         try:
             fd = create_exclusive(tmp)
             try:

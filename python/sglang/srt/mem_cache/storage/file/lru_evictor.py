@@ -29,42 +29,41 @@ class LRUEvictor:
         if nbytes > self.capacity_bytes:
             return None
         with self._lock:
-            self.used_bytes -= self._entries.pop(name, 0)
-            victims = []
-            while self.used_bytes + nbytes > self.capacity_bytes and self._entries:
-                victim, size = self._entries.popitem(last=False)
-                self.used_bytes -= size
-                victims.append(victim)
-            self._entries[name] = nbytes
-            self.used_bytes += nbytes
-            return victims
+            return self._reserve_locked(name, nbytes)
 
     def reserve_many(self, names: list[str], sizes: list[int], evict) -> list[bool]:
         """:meth:`reserve` each name in order under one lock; ``evict(victims)`` is called once
         with every name evicted to make room. Per name: whether it is still reserved (False when
         it alone exceeds the capacity, or a later name of the batch evicted it again)."""
-        fits, victims, cap, mine = [], [], self.capacity_bytes, {}
+        fits, victims, mine = [], [], {}
         with self._lock:
-            entries = self._entries
             for name, nbytes in zip(names, sizes):
-                if nbytes > cap:
+                if nbytes > self.capacity_bytes:
                     fits.append(False)
                     continue
-                self.used_bytes -= entries.pop(name, 0)
-                while self.used_bytes + nbytes > cap and entries:
-                    victim, size = entries.popitem(last=False)
-                    self.used_bytes -= size
+                for victim in self._reserve_locked(name, nbytes):
                     if victim in mine:  # reserved earlier in this batch: not written at all
                         fits[mine.pop(victim)] = False
                     else:
                         victims.append(victim)
                 mine[name] = len(fits)
-                entries[name] = nbytes
-                self.used_bytes += nbytes
                 fits.append(True)
         if victims:
             evict(victims)
         return fits
+
+    def _reserve_locked(self, name: str, nbytes: int) -> list[str]:
+        """Book ``nbytes`` for ``name``; the oldest entries evicted to make room (the caller
+        holds the lock and checked that ``nbytes`` fits the capacity)."""
+        entries, victims = self._entries, []
+        self.used_bytes -= entries.pop(name, 0)
+        while self.used_bytes + nbytes > self.capacity_bytes and entries:
+            victim, size = entries.popitem(last=False)
+            self.used_bytes -= size
+            victims.append(victim)
+        entries[name] = nbytes
+        self.used_bytes += nbytes
+        return victims
 
     def touch(self, name: str) -> None:
         """Mark ``name`` as just used (no-op when unknown)."""

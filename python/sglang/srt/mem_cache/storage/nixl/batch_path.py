@@ -29,18 +29,11 @@ CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL
 
 def usable(backend, pages) -> bool:
     """Whether ``pages`` (one chunk) can take the batch path."""
-    if not native_io.HASH or not pages or backend.precheck_reads:
+    if not native_io.HASH or not pages:  # zero-copy below implies the POSIX plugin
         return False
     codec = pages[0].codec
     ctx = backend.contexts.get(codec.name)
     return ctx is not None and ctx.zero_copy and not codec.is_marker and all(p.codec is codec for p in pages)
-
-
-def _paths(side, names: list[str], suffix: str = "") -> list[str]:
-    if len(side.roots) == 1:
-        root = side.root
-        return [f"{root}/{n[:2]}/{n}{suffix}" for n in names]
-    return [f"{side.path(n)}{suffix}" for n in names]
 
 
 def _descriptors(layout: BatchLayout, trailers: np.ndarray, fds: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
@@ -82,7 +75,7 @@ def read_chunk(backend, pages: list, alt: bool) -> ReadChunk:
     area = ctx.get_area_alt if alt else ctx.get_area
     trailers = area.rows(len(layout.names))
     trailers[:, -HEADER_BYTES:] = 0xFF  # a short read cannot pass for a whole object
-    fds, sizes = native_io.open_files(_paths(backend.side, layout.names),
+    fds, sizes = native_io.open_files(backend.side.paths(layout.names),
                                       READ_FLAGS | (os.O_DIRECT if ctx.direct else 0), 0)
     try:
         ok = layout.page_flags((fds >= 0) & (sizes == layout.nbytes + trailers.shape[1]))
@@ -126,8 +119,8 @@ def write_chunk(backend, pages: list) -> list[bool] | None:
     digests = batch_trailers.digests(sums, layout.per_page)
     trailers = ctx.set_area.rows(len(layout.names))
     trailers[:] = batch_trailers.build(layout.names, layout.nbytes, sums, digests, trailers.shape[1])
-    finals = _paths(side, layout.names)
-    tag = side.tmp_tag()
+    finals = side.paths(layout.names)
+    tag = side.tmp_names.tag()
     tmps = [f"{p}{tag}{i}" for i, p in enumerate(finals)]
     fds, _ = native_io.open_files(tmps, CREATE_FLAGS | (os.O_DIRECT if ctx.direct else 0), 0o644)
     opened = [t for t, fd in zip(tmps, fds.tolist()) if fd >= 0]

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
-from sglang.srt.mem_cache.storage.posix_files import CommitLock, create_exclusive, open_read, prepare_root, unlink_quiet
+from sglang.srt.mem_cache.storage.posix_files import CommitLock, TempNames, create_exclusive, open_read, prepare_root, unlink_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class PosixSide:
             logger.warning("HiCacheNixl: %s not writable: serving reads only, every set is a miss",
                            ", ".join(r for r, w in zip(self.roots, writable) if not w))
         self.direct_supported = not self.read_only and all(probe_direct_io(r) for r in self.roots)
-        self._tmp_ids = itertools.count()
-        self._pid = os.getpid()
+        self.tmp_names = TempNames()
         self._commit_lock = None if self.read_only else CommitLock(self.root)
 
     def commit_lock(self):
@@ -72,6 +71,12 @@ class PosixSide:
 
     def path(self, name: str) -> str:
         return f"{self.root_of(name)}/{name[:2]}/{name}"
+
+    def paths(self, names: list[str]) -> list[str]:
+        if len(self.roots) > 1:
+            return [self.path(n) for n in names]
+        root = self.root
+        return [f"{root}/{n[:2]}/{n}" for n in names]
 
     def sizes(self, io, names: list[str]) -> list[int | None]:
         """Stored size of each object (None when absent)."""
@@ -92,13 +97,9 @@ class PosixSide:
             return None, None
         return Target(name, fd, ""), os.fstat(fd).st_size
 
-    def tmp_tag(self) -> str:
-        """A suffix no other writer uses: a temporary file is ``<final path><tag><n>``."""
-        return f".tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}."
-
     def open_write(self, name: str, direct: bool) -> Target:
         path = self.path(name)
-        tmp = f"{path}.tmp.{self._pid}.{threading.get_ident()}.{next(self._tmp_ids)}"
+        tmp = f"{path}{self.tmp_names.tag()}0"
         return Target(name, create_exclusive(tmp, os.O_DIRECT if direct else 0), "", tmp)
 
     def finish(self, target: Target, commit: bool) -> None:
