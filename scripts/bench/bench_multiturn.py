@@ -7,7 +7,8 @@
 
 N clients hold one conversation each. Every conversation starts with the same
 ``--system-prompt-length`` token ids; in round r a client sends its whole history (earlier
-prompts and answers) plus a new question of ``--request-length`` token ids, streamed from
+prompts and answers) plus a new question of ``--request-length`` token ids
+(``--sub-question-input-length`` after the first round, when set), streamed from
 ``/generate``. Requests leave as a Poisson process of ``--request-rate`` per second (inf: as
 soon as a client is ready); with ``--round-barrier`` no client starts round r+1 before every
 client finished round r (the closed-loop case: with ``--request-rate inf`` each round's
@@ -109,8 +110,9 @@ async def run_clients(args, info: dict) -> tuple[list[Record], float]:
     rng = random.Random(args.seed)
     vocab, page = info["vocab_size"], info["page_size"]
     system = [rng.randrange(3, vocab) for _ in range(args.system_prompt_length)]
-    questions = [[[rng.randrange(3, vocab) for _ in range(args.request_length)] for _ in range(args.num_rounds)]
-                 for _ in range(args.num_clients)]
+    follow_up = args.sub_question_input_length or args.request_length
+    questions = [[[rng.randrange(3, vocab) for _ in range(args.request_length if r == 0 else follow_up)]
+                  for r in range(args.num_rounds)] for _ in range(args.num_clients)]
     gate = PoissonGate(args.request_rate, random.Random(args.seed + 1))
     barrier = asyncio.Barrier(args.num_clients) if args.round_barrier else None
     records: list[Record] = []
@@ -189,6 +191,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-rounds", type=int, default=6)
     parser.add_argument("--system-prompt-length", type=int, default=0, help="tokens every conversation starts with")
     parser.add_argument("--request-length", type=int, default=256, help="new question tokens per round")
+    parser.add_argument("--sub-question-input-length", type=int, default=0,
+                        help="question tokens of rounds after the first (0: --request-length), as upstream's "
+                             "bench_multiturn.py: a long first prompt followed by short follow-ups")
     parser.add_argument("--output-length", type=int, default=16, help="answer tokens per round")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (requests/s)")
     parser.add_argument("--round-barrier", action="store_true")

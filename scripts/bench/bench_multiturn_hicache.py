@@ -16,6 +16,11 @@ on a shared host that is what makes them comparable. ``--noisy-neighbours N`` ru
 processes beside the server during every run. Without ``--model-path`` it builds a model where
 prefill dominates (make_tiny_model --hidden 512 --layers 8, as in docs/engine.md).
 
+``--ideal-device-tokens N`` adds a third server per repeat, the plain cache with a device pool of N
+tokens that holds every conversation: its TTFT is the floor any cache tier can reach on this
+workload, so ``on_vs_ideal_ttft`` is the cost of HiCache and ``ideal_ttft_ratio`` the workload's
+best on/off ratio.
+
 ``--json`` writes ttft_p50_off, ttft_p50_on, ttft_ratio (on / off, TTFT p50), ttft_p90_ratio,
 wall_ratio (on / off, wall time of a run), throughput_ratio (on / off, prompt + answer tokens per
 second), hit_rate (on), reusable_fraction, outputs_identical (every answer the same on and off),
@@ -69,6 +74,9 @@ def main(argv=None) -> int:
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for both servers")
     parser.add_argument("--hicache-flag", action="append", default=[], help="extra flag for the HiCache server")
     parser.add_argument("--repeat", type=int, default=1, help="off/on pairs, interleaved; ratios are medians")
+    parser.add_argument("--ideal-device-tokens", type=int, default=0,
+                        help="also run, once per repeat, a plain radix-cache server whose device pool has this "
+                             "many tokens (enough for every conversation): the TTFT no cache tier can beat")
     parser.add_argument("--json", help="write the ratios and reports to this file")
     add_workload_args(parser)
     args = parser.parse_args(argv)
@@ -86,11 +94,22 @@ def main(argv=None) -> int:
         print_report(f"HiCache on (run {i + 1}/{args.repeat})", on)
         pairs.append((off, on, ratios(off, on)))
         r = pairs[-1][2]
+        if args.ideal_device_tokens:
+            ideal_flags = [*common, "--max-total-tokens", str(args.ideal_device_tokens)]
+            ideal = run_server(model, ideal_flags, args)
+            print_report(f"plain cache, device pool {args.ideal_device_tokens} (run {i + 1}/{args.repeat})", ideal)
+            r["ttft_p50_ideal"] = ideal["ttft_p50"]
+            r["on_vs_ideal_ttft"] = on["ttft_p50"] / ideal["ttft_p50"]
+            r["ideal_ttft_ratio"] = ideal["ttft_p50"] / off["ttft_p50"]
+            print(f"-- run {i + 1}: TTFT p50 ideal {ideal['ttft_p50']:.3f} s, on/ideal {r['on_vs_ideal_ttft']:.3f}, "
+                  f"ideal/off {r['ideal_ttft_ratio']:.3f}", flush=True)
         print(f"-- run {i + 1}: wall on/off {r['wall_ratio']:.3f}, TTFT p50 on/off {r['ttft_ratio']:.3f}, "
               f"p90 on/off {r['ttft_p90_ratio']:.3f}, outputs identical {r['outputs_identical']}", flush=True)
     per_run = [r for _, _, r in pairs]
-    med = {k: statistics.median(r[k] for r in per_run) for k in ("ttft_ratio", "ttft_p90_ratio", "wall_ratio",
-                                                                "throughput_ratio")}
+    keys = ["ttft_ratio", "ttft_p90_ratio", "wall_ratio", "throughput_ratio"]
+    if args.ideal_device_tokens:
+        keys += ["on_vs_ideal_ttft", "ideal_ttft_ratio"]
+    med = {k: statistics.median(r[k] for r in per_run) for k in keys}
     off, on = pairs[0][0], pairs[0][1]
     result = {
         "ttft_p50_off": statistics.median(p[0]["ttft_p50"] for p in pairs),
@@ -105,6 +124,9 @@ def main(argv=None) -> int:
           f"{result['wall_ratio']:.3f}, throughput on/off {result['throughput_ratio']:.2f}, hit rate "
           f"{on['hit_rate']:.3f} (reusable {on['reusable_fraction']:.3f}, off {off['hit_rate']:.3f}), outputs "
           f"identical {result['outputs_identical']}" + (f" [medians of {args.repeat}]" if args.repeat > 1 else ""))
+    if args.ideal_device_tokens:
+        print(f"== TTFT p50 on/ideal {result['on_vs_ideal_ttft']:.3f}, ideal/off {result['ideal_ttft_ratio']:.3f} "
+              f"(ideal: plain cache, device pool {args.ideal_device_tokens})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)

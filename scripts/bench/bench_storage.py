@@ -225,6 +225,7 @@ def cases(args, root: str, endpoint: str | None) -> list[tuple[str, str, dict, b
     """(label, factory name, extra config, O_DIRECT) of every backend to measure."""
     out = [
         ("file", "file", {"storage_dir": f"{root}/file"}, False),
+        ("file_1thread", "file", {"storage_dir": f"{root}/file1", "io_threads": 1}, False),
         ("nixl_posix", "nixl", {"storage_dir": f"{root}/nixl", "use_direct_io": "false"}, False),
     ]
     if args.direct:

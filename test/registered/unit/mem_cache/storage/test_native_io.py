@@ -178,3 +178,37 @@ def test_file_capacity_evicts_within_one_native_batch(make_backend):
     on_disk = sum(len([f for f in os.listdir(e.path) if f.endswith(".bin")]) for e in os.scandir(store.root) if e.is_dir())
     assert on_disk == len(store.evictor) == 3 and store.evictor.used_bytes == 3 * page
     assert store.batch_get_v1(keys[2:], slots(host, 8, 3)) == [True] * 3
+
+
+@needs_native
+def test_file_native_batches_of_small_pages_run_on_the_io_threads(make_backend, monkeypatch):
+    """With the native helper, batches of pages from 32 KiB are split over ``io_threads`` (its
+    slices hold the GIL only for their bookkeeping); the slices run on the worker threads and
+    every page reads back as written."""
+    import threading
+
+    from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
+    from sglang.srt.mem_cache.storage.page_workers import NATIVE_PARALLEL_MIN_PAGE_BYTES
+
+    host = host_pool(PoolKind.MHA, "page_first_direct")
+    fill_random(host, seed=13)
+    store = make_backend("file", host, {"io_threads": 2})
+    assert store.workers.min_page_bytes == NATIVE_PARALLEL_MIN_PAGE_BYTES < (1 << 20)
+    assert store.workers.parallel(64 << 10) and not store.workers.parallel(16 << 10)
+    store.workers.min_page_bytes = 0  # the test's pages are small
+    seen = {"read": set(), "write": set()}
+    for op, name in (("read", "_read_native"), ("write", "_write_native")):
+        real = getattr(HiCacheFile, name)
+
+        def spy(self, pages, layout, real=real, op=op):
+            seen[op].add(threading.current_thread().name)
+            return real(self, pages, layout)
+
+        monkeypatch.setattr(HiCacheFile, name, spy)
+    keys = page_keys(6)
+    assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
+    assert store.batch_get_v1(keys, slots(host, 8, 6)) == [True] * 6
+    for i in range(6):
+        assert torch.equal(host.get_data_page((8 + i) * host.page_size), host.get_data_page(i * host.page_size))
+    for op in ("read", "write"):
+        assert len(seen[op]) == 2 and all(t.startswith("hicache-file") for t in seen[op]), seen
