@@ -16,6 +16,11 @@ bootstrap server. Per (prefill_tp, decode_tp, kv_heads) case and iteration (one 
   own cost of scattered pages (``raw_pages_vs_raw``), so that ``ratio`` splits into NIXL's part
   and ours (``ratio_raw_pages`` = pd / raw_pages).
 
+``--layout allocator`` replaces the random permutation of pages (the worst case: every page its
+own descriptor) with the pages a ``PagedAllocator`` hands a new request on a busy server (long
+runs: its free list is sorted); ``page runs`` in the output counts the runs consecutive on both
+sides. Pages are chosen before the timed region in both layouts.
+
 The four run interleaved, iteration by iteration, so load changes hit them alike. Decode ranks
 poll every millisecond in all three; prefill ranks poll flat out. Prints GB/s and ratios;
 ``--json FILE`` writes one record per case (``ratio`` = pd / raw; ``ratio_single`` = pd / single).
@@ -63,7 +68,9 @@ def pair_bytes(args, tp: int, td: int, heads: int) -> dict[tuple[int, int], int]
 def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | None):
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    num_pages = args.tokens // args.page_size * 5 // 4  # room to scatter
+    # room to scatter; with --layout allocator, for the other requests of a busy server too
+    num_pages = (args.tokens // args.page_size * 3 if args.layout == "allocator"
+                 else args.tokens // args.page_size * 5 // 4)
     pool = MHATokenToKVPool(num_pages * args.page_size, args.page_size, torch.bfloat16, max(1, heads // tp_size),
                             HEAD_DIM, args.layers)
     for buf in pool.buffers.values():  # touch every page now, not inside the timed transfer
@@ -82,6 +89,31 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
 
 def scattered_pages(pool, n: int, seed: int) -> list[int]:
     return (np.random.default_rng(seed).permutation(pool.size // pool.page_size) + 1)[:n].tolist()
+
+
+def allocator_pages(pool, n: int, seed: int) -> list[int]:
+    """The pages the server's allocator (``PagedAllocator``, page 0 reserved as in the pools)
+    hands a new request of ``n`` pages on a busy server: requests of 1 to n/8 pages come and go
+    in random order until the pool has turned over several times, a third of it stays held by
+    others, then this request allocates."""
+    from sglang.srt.mem_cache.allocator import PagedAllocator
+
+    rng = np.random.default_rng(seed)
+    total = pool.size // pool.page_size
+    alloc, live = PagedAllocator(total, 1, reserved_pages=1), []
+    for _ in range(400):
+        size = int(rng.integers(1, max(2, n // 8)))
+        if live and (rng.random() < 0.5 or alloc.available_size() < size):
+            alloc.free(live.pop(int(rng.integers(len(live)))))
+        else:
+            live.append(alloc.alloc_pages(size))
+    while live and (total - alloc.available_size() > total // 3 or alloc.available_size() < n):
+        alloc.free(live.pop(int(rng.integers(len(live)))))
+    return alloc.alloc_pages(n).tolist()
+
+
+def request_pages(args, pool, n: int, seed: int) -> list[int]:
+    return (allocator_pages if args.layout == "allocator" else scattered_pages)(pool, n, seed)
 
 
 def poll_until(objs, states, nap_s: float, deadline_s: float = 600) -> list[KVPoll]:
@@ -144,7 +176,7 @@ class Worker:
         if self.role == "decode":
             recv = NixlKVReceiver(self.mgr, addr, room)
             poll_until([recv], (KVPoll.WaitingForInput,), 0.001)
-            recv.init(scattered_pages(self.pool, n_pages, room * 10 + self.rank + 1))
+            recv.init(request_pages(self.args, self.pool, n_pages, room * 10 + self.rank + 1))
             self.conn.send("ready")
             state = poll_until([recv], TERMINAL, 0.001)[0]
             return int(state), time.monotonic()
@@ -152,9 +184,10 @@ class Worker:
         sender.init(n_pages)
         poll_until([sender], (KVPoll.WaitingForInput,), 0.001)
         self.conn.send("ready")
+        pages = request_pages(self.args, self.pool, n_pages, room * 10 + self.rank)  # untimed
         assert self.conn.recv() == ("go",)
         t0 = time.monotonic()
-        sender.send(scattered_pages(self.pool, n_pages, room * 10 + self.rank))
+        sender.send(pages)
         state = poll_until([sender], TERMINAL, 0.0)[0]
         return int(state), t0
 
@@ -261,6 +294,27 @@ class Coordinator:
                 proc.kill()
 
 
+def page_run_stats(args, tp: int, td: int, heads: int) -> float:
+    """Median over the timed iterations of the runs of pages consecutive on both sides between
+    prefill rank 0 and decode rank 0 (the pages route posts one descriptor per run, layer and K
+    or V): the pages the workers picked, recomputed from the same seeds."""
+    from sglang.srt.disaggregation.common.descriptors import page_runs
+
+    n = args.tokens // args.page_size
+
+    class Pool:  # what request_pages reads of a rank's pool
+        page_size = args.page_size
+        size = (n * 3 if args.layout == "allocator" else n * 5 // 4) * args.page_size
+
+    counts = []
+    for it in range(1, args.iters + 1):
+        room = 1000 * tp + 100 * td + 10 * heads + it
+        src = np.array(request_pages(args, Pool, n, room * 10))
+        dst = np.array(request_pages(args, Pool, n, room * 10 + 1))
+        counts.append(len(page_runs(src, dst)[0]))
+    return statistics.median(counts)
+
+
 def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
     from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
 
@@ -283,6 +337,7 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
             elapsed = co.timed(cmds)
             if it:
                 times[name].append(elapsed)
+    runs = page_run_stats(args, tp, td, heads)
     routes = co.call({k: ("end_case",) for k in prefill})
     co.call({k: ("end_case",) for k in decode})
     server.close()
@@ -294,7 +349,8 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
             "raw_pages_gbps": round(gbps["raw_pages"], 3), "ratio_raw_pages": round(gbps["pd"] / gbps["raw_pages"], 3),
             "raw_pages_vs_raw": round(gbps["raw_pages"] / gbps["raw"], 3), "descriptors_per_pair": descriptors,
             "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
-            "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load}
+            "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load,
+            "layout": args.layout, "page_runs_median": runs}
 
 
 def main(argv=None) -> int:
@@ -311,6 +367,9 @@ def main(argv=None) -> int:
                     help="TransferConfig.pack_chunk_bytes in MiB (default: the dataclass default)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads per rank process (default: cores / rank processes, at least 1)")
+    ap.add_argument("--layout", choices=("scattered", "allocator"), default="scattered",
+                    help="source and destination pages: a random permutation (the worst case: no two "
+                         "adjacent), or what the allocator hands a new request on a busy server")
     ap.add_argument("--json", help="write one JSON record per case to this file")
     args = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -329,7 +388,8 @@ def main(argv=None) -> int:
                   f"raw {rec['baseline_gbps']:5.2f}  ratio {rec['ratio']:.2f}  single {rec['single_gbps']:5.2f}  "
                   f"ratio_single {rec['ratio_single']:.2f}  raw_pages {rec['raw_pages_gbps']:5.2f} "
                   f"(raw x{rec['raw_pages_vs_raw']:.2f}, pd/raw_pages {rec['ratio_raw_pages']:.2f})  "
-                  f"routes {rec['routes']}  load {rec['load']}", flush=True)
+                  f"routes {rec['routes']}  page runs {rec['page_runs_median']:g}/{args.tokens // args.page_size}  "
+                  f"load {rec['load']}", flush=True)
     finally:
         co.close()
     homo = {(r["prefill_tp"], r["kv_heads"]): r["gbps"] for r in records if r["prefill_tp"] == r["decode_tp"]}
