@@ -96,19 +96,22 @@ class TempNames:
 class CommitLock:
     """An exclusive ``flock`` on one file under ``root``, across processes: writers hold it while
     they rename a batch of objects into place, so the objects of one page written by two
-    writers are never interleaved. One lock per batch, not per page."""
+    writers are never interleaved. One lock per batch, not per page. ``flock`` on one open file
+    does not exclude the threads sharing it, so a thread lock is taken first."""
 
     def __init__(self, root: str):
         os.makedirs(os.path.join(root, ".locks"), exist_ok=True)
         self._fd = os.open(os.path.join(root, ".locks", "commit"), os.O_RDWR | os.O_CREAT, 0o644)
+        self._threads = threading.Lock()
 
     @contextlib.contextmanager
     def held(self):
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._threads:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -196,12 +196,12 @@ def test_file_native_batches_of_small_pages_run_on_the_io_threads(make_backend, 
     assert store.workers.min_page_bytes == NATIVE_PARALLEL_MIN_PAGE_BYTES < (1 << 20)
     assert store.workers.parallel(64 << 10) and not store.workers.parallel(16 << 10)
     store.workers.min_page_bytes = 0  # the test's pages are small
-    seen = {"read": set(), "write": set()}
+    seen = {"read": [], "write": []}
     for op, name in (("read", "_read_native"), ("write", "_write_native")):
         real = getattr(HiCacheFile, name)
 
         def spy(self, pages, layout, real=real, op=op):
-            seen[op].add(threading.current_thread().name)
+            seen[op].append((len(pages), threading.current_thread().name))
             return real(self, pages, layout)
 
         monkeypatch.setattr(HiCacheFile, name, spy)
@@ -210,5 +210,78 @@ def test_file_native_batches_of_small_pages_run_on_the_io_threads(make_backend, 
     assert store.batch_get_v1(keys, slots(host, 8, 6)) == [True] * 6
     for i in range(6):
         assert torch.equal(host.get_data_page((8 + i) * host.page_size), host.get_data_page(i * host.page_size))
-    for op in ("read", "write"):
-        assert len(seen[op]) == 2 and all(t.startswith("hicache-file") for t in seen[op]), seen
+    for op in ("read", "write"):  # one slice per thread (a pool thread may take both)
+        assert sorted(n for n, _ in seen[op]) == [3, 3], seen
+        assert all(t.startswith("hicache-file") for _, t in seen[op]), seen
+
+
+@needs_native
+def test_nixl_file_reads_run_two_lanes_with_their_own_agents(make_backend, monkeypatch):
+    """Several chunks of zero-copy file pages: every other chunk is read and verified on the
+    reader thread through the second agent into the second get area, the rest here through the
+    first; a bad page in either lane is a miss, wiped, the rest intact."""
+    import threading
+
+    from sglang.srt.mem_cache.storage.nixl import hicache_nixl
+
+    host = host_pool(PoolKind.MHA, "page_first_direct")
+    fill_random(host, seed=14)
+    store = make_backend("nixl_posix", host)
+    assert store.io_alt is not None and store.io_alt.agent is not store.io.agent
+    keys = page_keys(8)
+    assert store.batch_set_v1(keys, slots(host, 0, 8)) == [True] * 8
+    names = store.codecs[PoolName.KV].object_names
+    for i in (2, 5):  # one page in a chunk of each lane (chunks of two pages below)
+        victim = store.side.path(names(keys[i])[0])
+        raw = bytearray(Path(victim).read_bytes())
+        raw[7] ^= 0x01
+        Path(victim).write_bytes(raw)
+    page_size = host.page_bytes + 2 * hicache_nixl.TRAILER_BYTES  # K and V objects with their trailers
+    monkeypatch.setattr(hicache_nixl, "CHUNK_BYTES", 2 * page_size)  # four chunks of two pages
+    calls, real = [], batch_path.read_chunk
+
+    def spy(backend, pages, alt, io=None):
+        calls.append((alt, io is store.io_alt, threading.current_thread() is threading.main_thread()))
+        return real(backend, pages, alt, io)
+
+    monkeypatch.setattr(batch_path, "read_chunk", spy)
+    flags = store.batch_get_v1(keys, slots(host, 8, 8))
+    assert flags == [True, True, False, True, True, False, True, True]
+    assert sorted(calls) == [(False, False, True)] * 2 + [(True, True, False)] * 2, calls
+    for i in (0, 1, 3, 4, 6, 7):
+        assert torch.equal(host.get_data_page((8 + i) * host.page_size), host.get_data_page(i * host.page_size))
+    for i in (2, 5):
+        assert int(host.get_data_page((8 + i) * host.page_size).count_nonzero()) == 0  # read, failed, wiped
+    stats = store.get_stats()
+    assert stats["corruptions"] == 2 and stats["pages_missed"] == 2
+
+
+@needs_native
+def test_nixl_file_writes_run_two_lanes_with_their_own_agents(make_backend, monkeypatch):
+    """Several chunks of zero-copy file pages: every other chunk is written on the writer thread
+    through the second agent and set area; every page reads back bit-exact, also through the
+    per-object path, and the flags keep the batch's order."""
+    import threading
+
+    from sglang.srt.mem_cache.storage.nixl import hicache_nixl
+
+    host = host_pool(PoolKind.MHA, "page_first_direct")
+    fill_random(host, seed=15)
+    store = make_backend("nixl_posix", host)
+    page_size = host.page_bytes + 2 * hicache_nixl.TRAILER_BYTES
+    monkeypatch.setattr(hicache_nixl, "CHUNK_BYTES", 2 * page_size)  # four chunks of two pages
+    calls, real = [], batch_path.write_chunk
+
+    def spy(backend, pages, alt=False, io=None):
+        calls.append((alt, io is store.io_alt, threading.current_thread() is threading.main_thread()))
+        return real(backend, pages, alt, io)
+
+    monkeypatch.setattr(batch_path, "write_chunk", spy)
+    keys = page_keys(8)
+    assert store.batch_set_v1(keys, slots(host, 0, 8)) == [True] * 8
+    assert sorted(calls) == [(False, False, True)] * 2 + [(True, True, False)] * 2, calls
+    monkeypatch.setattr(native_io, "HASH", False)  # read back by the per-object path
+    assert store.batch_get_v1(keys, slots(host, 8, 8)) == [True] * 8
+    for i in range(8):
+        assert torch.equal(host.get_data_page((8 + i) * host.page_size), host.get_data_page(i * host.page_size))
+    assert store.get_stats()["corruptions"] == 0

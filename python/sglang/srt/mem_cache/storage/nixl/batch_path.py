@@ -63,9 +63,10 @@ class ReadChunk:
     failed_transfer: bool = False
 
 
-def read_chunk(backend, pages: list, alt: bool) -> ReadChunk:
-    """Open every object of ``pages``, read the whole ones in one transfer into the host pool
-    and the trailers into the (``alt``: second) get area."""
+def read_chunk(backend, pages: list, alt: bool, io=None) -> ReadChunk:
+    """Open every object of ``pages``, read the whole ones in one transfer (through ``io``,
+    default the backend's agent) into the host pool and the trailers into the (``alt``: second)
+    get area."""
     codec = pages[0].codec
     ctx = backend.contexts[codec.name]
     layout = native_io.batch_layout(pages)
@@ -84,7 +85,7 @@ def read_chunk(backend, pages: list, alt: bool) -> ReadChunk:
         sub = layout if ok.all() else layout.subset(ok)
         try:
             dram, storage, regs = _descriptors(sub, trailers[: len(sub.names)], fds[sub.object_index])
-            backend.io.transfer("READ", dram, storage, regs)
+            (io or backend.io).transfer("READ", dram, storage, regs)
         except Exception:  # noqa: BLE001 - the per-object path redoes and explains it
             return ReadChunk(pages, layout, trailers, none, alt, failed_transfer=True)
         return ReadChunk(pages, sub, trailers[: len(sub.names)], ok, alt)
@@ -106,10 +107,11 @@ def settle(chunk: ReadChunk) -> np.ndarray:
     return out
 
 
-def write_chunk(backend, pages: list) -> list[bool] | None:
-    """Write a chunk of pages: hash, trailers into the set area, every temporary file created
-    in one call, one transfer, then (under the commit lock) every file renamed into place. None
-    when the chunk must go to the per-object path (nothing of it is left on disk then)."""
+def write_chunk(backend, pages: list, alt: bool = False, io=None) -> list[bool] | None:
+    """Write a chunk of pages: hash, trailers into the (``alt``: second) set area, every
+    temporary file created in one call, one transfer (through ``io``, default the backend's
+    agent), then (under the commit lock) every file renamed into place. None when the chunk must
+    go to the per-object path (nothing of it is left on disk then)."""
     codec = pages[0].codec
     ctx, side = backend.contexts[codec.name], backend.side
     layout = native_io.batch_layout(pages)
@@ -117,7 +119,7 @@ def write_chunk(backend, pages: list) -> list[bool] | None:
         return None
     sums = native_io.hash_objects(layout.iov).tolist()
     digests = batch_trailers.digests(sums, layout.per_page)
-    trailers = ctx.set_area.rows(len(layout.names))
+    trailers = (ctx.set_area_alt if alt else ctx.set_area).rows(len(layout.names))
     trailers[:] = batch_trailers.build(layout.names, layout.nbytes, sums, digests, trailers.shape[1])
     finals = side.paths(layout.names)
     tag = side.tmp_names.tag()
@@ -129,7 +131,7 @@ def write_chunk(backend, pages: list) -> list[bool] | None:
             return None
         dram, storage, regs = _descriptors(layout, trailers, fds)
         try:
-            backend.io.transfer("WRITE", dram, storage, regs)
+            (io or backend.io).transfer("WRITE", dram, storage, regs)
         except Exception:  # noqa: BLE001 - redone page by page by the per-object path
             return None
         native_io.close_files(fds)

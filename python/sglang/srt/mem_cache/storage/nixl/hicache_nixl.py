@@ -7,7 +7,8 @@ pools they belong to, moves in one NIXL transfer per direction (per chunk of at 
 ``bounce_pages`` pages and CHUNK_BYTES).
 NIXL's result is all-or-nothing, so when a chunk fails it is retried page by page to find the
 culprits: a wrong-sized object is a corruption (removed), anything else a counted failure.
-See ``README.md`` beside this file.
+Batches of several zero-copy file chunks run in two lanes, each with its own agent
+(``_read_lanes``, ``_write_lanes``). See ``README.md`` beside this file.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
 logger = logging.getLogger(__name__)
 
 TRAILER_BYTES = 4096
-# A chunk is verified after its transfer (on this thread, while the reader thread moves the next
-# one). Each chunk costs a fixed ~0.2 ms of planning, registration and verification: with the
+# A chunk is verified after its transfer (by its lane, while the other lane moves the next one).
+# Each chunk costs a fixed ~0.2 ms of planning, registration and verification: with the
 # batch path, 32 MiB chunks read 1 MiB pages at 0.55-0.57x of plain preadv against 0.48x with 8 MiB
 # ones (bench_storage.py).
 CHUNK_BYTES = 32 << 20
@@ -64,10 +65,14 @@ class HiCacheNixl(PagedStorage):
         self.grouped_names = kind is StorageKind.FILE  # page groups: one directory, evicted together
         self.precheck_reads = PRECHECK_READS[kind]
         self.io = NixlIO(self.options, self._preferred_params())
+        # A second agent for the second read lane (_read_pages): one agent serialises its
+        # transfers (two threads on one agent ran slower than one), two agents copy in parallel.
+        self.io_alt = NixlIO(self.options, self._preferred_params()) if kind is StorageKind.FILE else None
         self.contexts: dict[PoolName, NixlPoolContext] = {}
         self._read_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._reader: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None  # reads' second lane (under _read_lock)
+        self._writer: ThreadPoolExecutor | None = None  # writes' second lane (under _write_lock)
         self.capacity = None
         super().__init__(storage_config, mem_pool_host)
         if kind is StorageKind.FILE:
@@ -89,6 +94,9 @@ class HiCacheNixl(PagedStorage):
         self.io.register_dram([a.tensor for a in (ctx.set_area, ctx.get_area, ctx.get_area_alt) if a is not None])
         if ctx.zero_copy:
             self.io.register_dram(codec.host_pool.get_host_buffers())
+            if self.io_alt is not None and ctx.get_area_alt is not None:  # what the second lanes move
+                self.io_alt.register_dram([ctx.get_area_alt.tensor, ctx.set_area_alt.tensor,
+                                           *codec.host_pool.get_host_buffers()])
         self.contexts[codec.name] = ctx
 
     # ---- existence ----------------------------------------------------------------------
@@ -156,15 +164,19 @@ class HiCacheNixl(PagedStorage):
 
     # ---- read ---------------------------------------------------------------------------
     def _read_pages(self, pages: list[PageIO]) -> list[bool]:
-        """Chunk after chunk; with zero-copy pools only, the next chunk moves on a reader thread
-        (NIXL releases the GIL while it copies) while this thread verifies the previous one,
-        each in its own get area."""
+        """Chunk after chunk; with zero-copy pools only, two lanes: on files, each with its own
+        agent and get area, reading and verifying every other chunk (``_read_lanes``); else the
+        next chunk moves on a reader thread (NIXL releases the GIL while it copies) while this
+        thread verifies the previous one, each in its own get area."""
         with self._read_lock:
             done: dict[int, bool] = {}
             chunks = list(self._chunks(pages))
             if len(chunks) < 2 or not all(c.get_area_alt is not None for c in self.contexts.values()):
                 for chunk in chunks:
                     self._settle_any(self._read_any(chunk), done)
+                return [done.get(id(p), False) for p in pages]
+            if self.io_alt is not None and all(batch_path.usable(self, c) for c in chunks):
+                self._read_lanes(chunks, done)
                 return [done.get(id(p), False) for p in pages]
             reader = self._reader_pool()
             future = reader.submit(self._read_any, chunks[0], False)
@@ -177,6 +189,26 @@ class HiCacheNixl(PagedStorage):
             finally:
                 future.exception()  # never return while a transfer still writes host memory
             return [done.get(id(p), False) for p in pages]
+
+    def _read_lanes(self, chunks: list[list[PageIO]], done: dict[int, bool]) -> None:
+        """Chunks 1, 3, 5... on the reader thread (second agent, second get area), 0, 2, 4...
+        here, each lane reading a chunk and then verifying it, so both cores copy and hash at
+        once (NIXL and the hash release the GIL). A chunk that needs the per-object path goes
+        through the first agent (thread-safe, only slower). Returns when both lanes are done:
+        no thread still writes host memory then."""
+        def lane(first: int) -> None:
+            alt = first == 1
+            io = self.io_alt if alt else self.io
+            for k in range(first, len(chunks), 2):
+                self._settle_any(batch_path.read_chunk(self, chunks[k], alt, io), done)
+
+        future = self._reader_pool().submit(lane, 1)
+        try:
+            lane(0)
+        finally:
+            error = future.exception()  # waits: no lane may still write host memory after this
+        if error is not None:
+            raise error
 
     def _read_any(self, pages: list[PageIO], alt: bool = False):
         """Read one chunk by the batch path when it can take it (``batch_path``), else object
@@ -311,19 +343,47 @@ class HiCacheNixl(PagedStorage):
         if getattr(self.side, "read_only", False):
             return [False] * len(pages)
         with self._write_lock:
-            flags = []
-            for chunk in self._chunks(pages):
-                if self.capacity is not None:
-                    self.capacity.make_room({group_of(p.names[0]) for p in chunk},
-                                            sum(p.nbytes + TRAILER_BYTES * len(p.names) for p in chunk))
-                written = batch_path.write_chunk(self, chunk) if batch_path.usable(self, chunk) else None
-                if written is None:
-                    written = self._write_chunk(chunk)
-                if self.capacity is not None:
-                    self.capacity.written([(name, s.nbytes + TRAILER_BYTES) for p, ok in zip(chunk, written) if ok
-                                           for name, s in zip(p.names, p.codec.segments)])
-                flags.extend(written)
-            return flags
+            chunks = list(self._chunks(pages))
+            results: list[list[bool] | None] = [None] * len(chunks)
+            if len(chunks) > 1 and self.io_alt is not None and all(batch_path.usable(self, c) for c in chunks):
+                self._write_lanes(chunks, results)
+            else:
+                for k, chunk in enumerate(chunks):
+                    results[k] = self._write_one(chunk)
+            return [ok for written in results for ok in written]
+
+    def _write_one(self, chunk: list[PageIO], alt: bool = False) -> list[bool]:
+        """Room, then the chunk by the batch path (``alt``: the second agent and set area),
+        else object by object (first agent), then the books."""
+        if self.capacity is not None:
+            self.capacity.make_room({group_of(p.names[0]) for p in chunk},
+                                    sum(p.nbytes + TRAILER_BYTES * len(p.names) for p in chunk))
+        written = None
+        if batch_path.usable(self, chunk):
+            written = batch_path.write_chunk(self, chunk, alt, self.io_alt if alt else self.io)
+        if written is None:
+            written = self._write_chunk(chunk)
+        if self.capacity is not None:
+            self.capacity.written([(name, s.nbytes + TRAILER_BYTES) for p, ok in zip(chunk, written) if ok
+                                   for name, s in zip(p.names, p.codec.segments)])
+        return written
+
+    def _write_lanes(self, chunks: list[list[PageIO]], results: list) -> None:
+        """Chunks 1, 3, 5... on the writer thread (second agent and set area), the rest here,
+        as ``_read_lanes``. Returns when both lanes are done."""
+        def lane(first: int) -> None:
+            for k in range(first, len(chunks), 2):
+                results[k] = self._write_one(chunks[k], first == 1)
+
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-write")
+        future = self._writer.submit(lane, 1)
+        try:
+            lane(0)
+        finally:
+            error = future.exception()  # waits: no lane still reads host memory after this
+        if error is not None:
+            raise error
 
     def _write_chunk(self, pages: list[PageIO]) -> list[bool]:
         counter, planned = SlotCounter(), []
@@ -364,9 +424,12 @@ class HiCacheNixl(PagedStorage):
         if self.capacity is not None:
             self.capacity.close()
         with self._read_lock, self._write_lock:
-            if self._reader is not None:
-                self._reader.shutdown(wait=True)
+            for pool in (self._reader, self._writer):
+                if pool is not None:
+                    pool.shutdown(wait=True)
             self.io.close()
+            if self.io_alt is not None:
+                self.io_alt.close()
             self.side.close()
 
 

@@ -66,9 +66,10 @@ class NixlPoolContext:
     direct: bool
     set_area: StagingArea
     get_area: StagingArea
-    # zero-copy only (trailer slots, a few KiB): a second get area, so that the next chunk of a
-    # read can move while the previous one is verified (HiCacheNixl._read_pages)
+    # zero-copy only (trailer slots, a few KiB): second get and set areas, for the second lane
+    # of a read or a write (HiCacheNixl._read_pages, _write_pages)
     get_area_alt: StagingArea | None = None
+    set_area_alt: StagingArea | None = None
 
 
 def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool, trailer_bytes: int) -> NixlPoolContext:
@@ -81,14 +82,15 @@ def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool
     largest = max(s.nbytes for s in codec.segments)
     slot_bytes = trailer_bytes if zero_copy else round_up(largest + trailer_bytes)
     slots = options.bounce_pages * len(codec.segments)
+    extra = (StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots)) if zero_copy else (None, None)
     ctx = NixlPoolContext(codec, zero_copy, direct, StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots),
-                          StagingArea(slot_bytes, slots) if zero_copy else None)
+                          *extra)
     logger.info(
         "HiCacheNixl pool %s: %s, O_DIRECT %s, staging %d x %.1f MiB",
         codec.name.value,
         "zero-copy" if zero_copy else "bounce buffers",
         "on" if direct else "off",
-        3 if zero_copy else 2,
+        4 if zero_copy else 2,
         slot_bytes * slots / (1 << 20),
     )
     return ctx
