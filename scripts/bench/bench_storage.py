@@ -23,7 +23,9 @@ into the same host pages + ``os.close``, in the same run. Like with like:
 
 A ``nixl_raw`` row (unless ``--no-raw-nixl``) moves the baseline's files with a bare NIXL POSIX
 agent (one registration and one transfer of all pages, busy-polled): what NIXL itself costs,
-so a NIXL row's gap to the baseline splits into NIXL's part and the backend's part.
+so a NIXL row's gap to the baseline splits into NIXL's part and the backend's part. A
+``nixl_raw_hashed`` row adds the XXH3 pass over the pages read (with the native helper): the
+ceiling of a NIXL backend that verifies what it reads (its set row is ``nixl_raw``'s again).
 
 All backends of a page size and ONE baseline run in every repetition, in an order rotated
 between repetitions, so they share the machine's state (an earlier version timed a separate
@@ -49,6 +51,8 @@ import sys
 import tempfile
 import time
 import uuid
+
+import numpy as np
 
 import torch
 
@@ -155,6 +159,26 @@ class RawNixl(Baseline):
 
     def close(self) -> None:
         self.agent.deregister_memory(self.dram_reg)
+
+
+class RawNixlHashed(RawNixl):
+    """``nixl_raw`` plus the one integrity pass no verified read can skip: an XXH3 hash of
+    every page read (the native helper's, as the backends use), after the whole transfer. The
+    ceiling of any NIXL backend that checks what it reads, since NIXL writes the pages and only
+    then can they be hashed."""
+
+    def __init__(self, pages: list[memoryview], root: str, direct: bool, host):
+        super().__init__(pages, root, direct, host)
+        from sglang.srt.mem_cache.storage import native_io
+
+        self._hash = native_io.hash_objects
+        self._iov = native_io.Iovecs(np.array([d[0] for d in self.dram], dtype=np.int64),
+                                     np.array([d[1] for d in self.dram], dtype=np.int64),
+                                     np.arange(len(self.dram) + 1, dtype=np.int64))
+
+    def get(self, rep: int) -> None:
+        super().get(rep)
+        self._hash(self._iov)
 
 
 class Backend:
@@ -294,6 +318,12 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict
             sides["nixl_raw"] = raw = RawNixl(pages, f"{root}/nixl_raw", False, host)
             stores.append(raw)
             baseline_of["nixl_raw"] = ("baseline", False)
+            from sglang.srt.mem_cache.storage import native_io
+
+            if native_io.HASH:
+                sides["nixl_raw_hashed"] = hashed = RawNixlHashed(pages, f"{root}/nixl_raw_h", False, host)
+                stores.append(hashed)
+                baseline_of["nixl_raw_hashed"] = ("baseline", False)
         times = run_case(args, sides)
     finally:
         for store in stores:
