@@ -202,13 +202,7 @@ class HiCacheNixl(PagedStorage):
             for k in range(first, len(chunks), 2):
                 self._settle_any(batch_path.read_chunk(self, chunks[k], alt, io), done)
 
-        future = self._reader_pool().submit(lane, 1)
-        try:
-            lane(0)
-        finally:
-            error = future.exception()  # waits: no lane may still write host memory after this
-        if error is not None:
-            raise error
+        _two_lanes(self._reader_pool(), lane)
 
     def _read_any(self, pages: list[PageIO], alt: bool = False):
         """Read one chunk by the batch path when it can take it (``batch_path``), else object
@@ -377,13 +371,7 @@ class HiCacheNixl(PagedStorage):
 
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-write")
-        future = self._writer.submit(lane, 1)
-        try:
-            lane(0)
-        finally:
-            error = future.exception()  # waits: no lane still reads host memory after this
-        if error is not None:
-            raise error
+        _two_lanes(self._writer, lane)
 
     def _write_chunk(self, pages: list[PageIO]) -> list[bool]:
         counter, planned = SlotCounter(), []
@@ -431,6 +419,18 @@ class HiCacheNixl(PagedStorage):
             if self.io_alt is not None:
                 self.io_alt.close()
             self.side.close()
+
+
+def _two_lanes(pool: ThreadPoolExecutor, lane) -> None:
+    """``lane(1)`` on ``pool``'s thread and ``lane(0)`` here; returns (or raises the first
+    error) only once both have stopped, so no lane still touches host memory after it."""
+    future = pool.submit(lane, 1)
+    try:
+        lane(0)
+    finally:
+        error = future.exception()  # waits for the other lane
+    if error is not None:
+        raise error
 
 
 def _stage_chunk(planned: list[Planned]) -> None:
