@@ -84,7 +84,10 @@ def main(argv=None) -> int:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
     tmp = tempfile.TemporaryDirectory(prefix="bench-multiturn-")
     model = args.model_path or make_tiny_model(os.path.join(tmp.name, "model"), "qwen3", *PREFILL_MODEL)
-    common = ["--max-total-tokens", str(args.device_tokens), "--page-size", str(args.page_size), *args.server_flag]
+    def plain(device_tokens: int) -> list[str]:
+        return ["--max-total-tokens", str(device_tokens), "--page-size", str(args.page_size), *args.server_flag]
+
+    common = plain(args.device_tokens)
     hicache = [*common, "--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio), *args.hicache_flag]
     pairs = []
     for i in range(args.repeat):
@@ -95,8 +98,7 @@ def main(argv=None) -> int:
         pairs.append((off, on, ratios(off, on)))
         r = pairs[-1][2]
         if args.ideal_device_tokens:
-            ideal_flags = [*common, "--max-total-tokens", str(args.ideal_device_tokens)]
-            ideal = run_server(model, ideal_flags, args)
+            ideal = run_server(model, plain(args.ideal_device_tokens), args)
             print_report(f"plain cache, device pool {args.ideal_device_tokens} (run {i + 1}/{args.repeat})", ideal)
             r["ttft_p50_ideal"] = ideal["ttft_p50"]
             r["on_vs_ideal_ttft"] = on["ttft_p50"] / ideal["ttft_p50"]

@@ -65,12 +65,26 @@ def pair_bytes(args, tp: int, td: int, heads: int) -> dict[tuple[int, int], int]
     return out
 
 
+def pool_pages(args) -> int:
+    """Pages of each rank's pool: room to scatter the request's pages; with ``--layout
+    allocator`` also for the other requests of a busy server."""
+    n = args.tokens // args.page_size
+    return n * 3 if args.layout == "allocator" else n * 5 // 4
+
+
+def room_id(tp: int, td: int, heads: int, it: int) -> int:
+    return 1000 * tp + 100 * td + 10 * heads + it
+
+
+def page_seed(room: int, role: str, rank: int) -> int:
+    """Seed of the pages a rank picks for ``room`` (prefill and decode ranks differ)."""
+    return room * 10 + rank + (1 if role == "decode" else 0)
+
+
 def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | None):
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
-    # room to scatter; with --layout allocator, for the other requests of a busy server too
-    num_pages = (args.tokens // args.page_size * 3 if args.layout == "allocator"
-                 else args.tokens // args.page_size * 5 // 4)
+    num_pages = pool_pages(args)
     pool = MHATokenToKVPool(num_pages * args.page_size, args.page_size, torch.bfloat16, max(1, heads // tp_size),
                             HEAD_DIM, args.layers)
     for buf in pool.buffers.values():  # touch every page now, not inside the timed transfer
@@ -176,7 +190,7 @@ class Worker:
         if self.role == "decode":
             recv = NixlKVReceiver(self.mgr, addr, room)
             poll_until([recv], (KVPoll.WaitingForInput,), 0.001)
-            recv.init(request_pages(self.args, self.pool, n_pages, room * 10 + self.rank + 1))
+            recv.init(request_pages(self.args, self.pool, n_pages, page_seed(room, "decode", self.rank)))
             self.conn.send("ready")
             state = poll_until([recv], TERMINAL, 0.001)[0]
             return int(state), time.monotonic()
@@ -184,7 +198,7 @@ class Worker:
         sender.init(n_pages)
         poll_until([sender], (KVPoll.WaitingForInput,), 0.001)
         self.conn.send("ready")
-        pages = request_pages(self.args, self.pool, n_pages, room * 10 + self.rank)  # untimed
+        pages = request_pages(self.args, self.pool, n_pages, page_seed(room, "prefill", self.rank))  # untimed
         assert self.conn.recv() == ("go",)
         t0 = time.monotonic()
         sender.send(pages)
@@ -304,13 +318,13 @@ def page_run_stats(args, tp: int, td: int, heads: int) -> float:
 
     class Pool:  # what request_pages reads of a rank's pool
         page_size = args.page_size
-        size = (n * 3 if args.layout == "allocator" else n * 5 // 4) * args.page_size
+        size = pool_pages(args) * args.page_size
 
     counts = []
     for it in range(1, args.iters + 1):
-        room = 1000 * tp + 100 * td + 10 * heads + it
-        src = np.array(request_pages(args, Pool, n, room * 10))
-        dst = np.array(request_pages(args, Pool, n, room * 10 + 1))
+        room = room_id(tp, td, heads, it)
+        src = np.array(request_pages(args, Pool, n, page_seed(room, "prefill", 0)))
+        dst = np.array(request_pages(args, Pool, n, page_seed(room, "decode", 0)))
         counts.append(len(page_runs(src, dst)[0]))
     return statistics.median(counts)
 
@@ -328,7 +342,7 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
     times = {"pd": [], "raw": [], "single": [], "raw_pages": []}
     descriptors = args.tokens // args.page_size * args.layers * 2  # one per (page, layer, K or V)
     for it in range(args.iters + 1):
-        room = 1000 * tp + 100 * td + 10 * heads + it
+        room = room_id(tp, td, heads, it)
         runs = {"pd": {k: ("pd", room, server.addr) for k in decode + prefill},
                 "raw": co.raw_cmds(f"raw-{room}|", pairs),
                 "single": co.raw_cmds(f"single-{room}|", {(0, 0): total}),

@@ -61,6 +61,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import native_io
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 PAGE_TOKENS = 64
@@ -169,16 +170,13 @@ class RawNixlHashed(RawNixl):
 
     def __init__(self, pages: list[memoryview], root: str, direct: bool, host):
         super().__init__(pages, root, direct, host)
-        from sglang.srt.mem_cache.storage import native_io
-
-        self._hash = native_io.hash_objects
         self._iov = native_io.Iovecs(np.array([d[0] for d in self.dram], dtype=np.int64),
                                      np.array([d[1] for d in self.dram], dtype=np.int64),
                                      np.arange(len(self.dram) + 1, dtype=np.int64))
 
     def get(self, rep: int) -> None:
         super().get(rep)
-        self._hash(self._iov)
+        native_io.hash_objects(self._iov)
 
 
 class Backend:
@@ -318,8 +316,6 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict
             sides["nixl_raw"] = raw = RawNixl(pages, f"{root}/nixl_raw", False, host)
             stores.append(raw)
             baseline_of["nixl_raw"] = ("baseline", False)
-            from sglang.srt.mem_cache.storage import native_io
-
             if native_io.HASH:
                 sides["nixl_raw_hashed"] = hashed = RawNixlHashed(pages, f"{root}/nixl_raw_h", False, host)
                 stores.append(hashed)

@@ -20,9 +20,9 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "scripts", "bench"))
 import bench_pd_transfer as bench  # noqa: E402
 
 
-class Pool:
+class Pool:  # a rank's pool for a 256-page request with --layout allocator
     page_size = 16
-    size = 3 * 256 * 16  # as make_rank sizes it for a 256-page request with --layout allocator
+    size = bench.pool_pages(SimpleNamespace(tokens=256 * 16, page_size=16, layout="allocator")) * 16
 
 
 def test_allocator_layout_is_valid_deterministic_and_in_runs():

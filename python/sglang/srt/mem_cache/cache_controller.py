@@ -177,11 +177,7 @@ class HiCacheController:
         check (``PagedAllocator.free``; the pools pass it on to theirs)."""
         if not indices.numel():
             return
-        alloc = self._allocator(tier, name)
-        if trusted:
-            alloc.free(indices, trusted=True)
-        else:
-            alloc.free(indices)
+        self._allocator(tier, name).free(indices, trusted=trusted)
 
     def held_host_indices(self, name: PoolName | None = None) -> list[torch.Tensor]:
         """Host slots of pool ``name`` (default: the anchor) held by storage operations:

@@ -79,8 +79,9 @@ class Iovecs:
         tail_at = self.starts[1:] + np.arange(n, dtype=np.int64)
         addrs = np.empty(iov + n, dtype=np.int64)
         lens = np.empty(iov + n, dtype=np.int64)
-        addrs[np.arange(iov, dtype=np.int64) + owner] = self.addrs
-        lens[np.arange(iov, dtype=np.int64) + owner] = self.lens
+        moved = np.arange(iov, dtype=np.int64) + owner  # each payload iovec, shifted past earlier tails
+        addrs[moved] = self.addrs
+        lens[moved] = self.lens
         addrs[tail_at] = tails.ctypes.data + np.arange(n, dtype=np.int64) * tails.strides[0]
         lens[tail_at] = tails.shape[1]
         return Iovecs(addrs, lens, self.starts + np.arange(n + 1, dtype=np.int64))

@@ -151,11 +151,15 @@ static int check_layout(const i64buf *addrs, const i64buf *lens, const i64buf *s
 
 /* ---- the work, with the GIL released -------------------------------------------------------- */
 
-static void fill_iov(struct iovec *iov, const int64_t *addrs, const int64_t *lens, int64_t first, int64_t count) {
+/* Fill ``count`` iovecs from addrs/lens[first...]; returns their total length. */
+static int64_t fill_iov(struct iovec *iov, const int64_t *addrs, const int64_t *lens, int64_t first, int64_t count) {
+    int64_t total = 0;
     for (int64_t j = 0; j < count; j++) {
         iov[j].iov_base = (void *)(uintptr_t)addrs[first + j];
         iov[j].iov_len = (size_t)lens[first + j];
+        total += lens[first + j];
     }
+    return total;
 }
 
 /* Read or write ``count`` iovecs at file offset 0, IOV_MAX at a time, continuing after short
@@ -192,7 +196,10 @@ static int64_t move_all(int fd, struct iovec *iov, int64_t count, int write) {
     return done;
 }
 
+/* XXH3-64 of the bytes of ``count`` iovecs (of nothing when count is 0). */
 static uint64_t hash_iov(const struct iovec *iov, int64_t count, void *state) {
+    if (count == 0)
+        return xxh3.oneshot("", 0);
     if (count == 1)
         return xxh3.oneshot(iov[0].iov_base, iov[0].iov_len);
     xxh3.reset(state);
@@ -285,7 +292,7 @@ static PyObject *hash_iovs(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < objects; i++) {
         int64_t n = st[i + 1] - st[i];
         fill_iov(iov, addrs, lens, st[i], n);
-        out[i] = n ? hash_iov(iov, n, state) : xxh3.oneshot("", 0);
+        out[i] = hash_iov(iov, n, state);
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(iov);
@@ -344,22 +351,20 @@ static PyObject *read_files(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < objects; i++) {
-        int64_t n = st[i + 1] - st[i], payload = 0;
+        int64_t n = st[i + 1] - st[i];
         sums[i] = 0;
         int fd = open_retry(p.paths[i], flags, 0);
         if (fd < 0) {
             counts[i] = -errno;
             continue;
         }
-        fill_iov(iov, addrs, lens, st[i], n);
-        for (int64_t j = 0; j < n; j++)
-            payload += (int64_t)iov[j].iov_len;
+        int64_t payload = fill_iov(iov, addrs, lens, st[i], n);
         iov[n].iov_base = (void *)(uintptr_t)(tails_addr + (uint64_t)(i * tail_stride));
         iov[n].iov_len = (size_t)tail_len;
         counts[i] = move_all(fd, iov, n + 1, 0);
         close(fd);
         if (hash && counts[i] == payload + trailer_bytes) /* a read leaves the iovecs as they were */
-            sums[i] = n ? hash_iov(iov, n, state) : xxh3.oneshot("", 0);
+            sums[i] = hash_iov(iov, n, state);
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(iov);
@@ -406,15 +411,13 @@ static PyObject *write_files(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < objects; i++) {
-        int64_t n = st[i + 1] - st[i], total = 0;
+        int64_t n = st[i + 1] - st[i];
         int fd = open_retry(tp.paths[i], O_WRONLY | O_CREAT | O_EXCL | flags, 0644);
         if (fd < 0) {
             errs[i] = -errno;
             continue;
         }
-        fill_iov(iov, addrs, lens, st[i], n);
-        for (int64_t j = 0; j < n; j++)
-            total += (int64_t)iov[j].iov_len;
+        int64_t total = fill_iov(iov, addrs, lens, st[i], n);
         int64_t wrote = move_all(fd, iov, n, 1);
         int err = wrote < 0 ? (int)-wrote : (wrote != total ? EIO : 0);
         if (close(fd) < 0 && !err)

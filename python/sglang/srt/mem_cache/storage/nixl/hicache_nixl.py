@@ -65,14 +65,16 @@ class HiCacheNixl(PagedStorage):
         self.grouped_names = kind is StorageKind.FILE  # page groups: one directory, evicted together
         self.precheck_reads = PRECHECK_READS[kind]
         self.io = NixlIO(self.options, self._preferred_params())
-        # A second agent for the second read lane (_read_pages): one agent serialises its
-        # transfers (two threads on one agent ran slower than one), two agents copy in parallel.
-        self.io_alt = NixlIO(self.options, self._preferred_params()) if kind is StorageKind.FILE else None
+        # The second lanes' agent (_read_lanes, _write_lanes), made with the first zero-copy
+        # pool: one agent serialises its transfers (two threads on one agent ran slower than
+        # one), two agents copy in parallel.
+        self.io_alt: NixlIO | None = None
         self.contexts: dict[PoolName, NixlPoolContext] = {}
         self._read_lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._reader: ThreadPoolExecutor | None = None  # reads' second lane (under _read_lock)
-        self._writer: ThreadPoolExecutor | None = None  # writes' second lane (under _write_lock)
+        # the second lane of reads and of writes (threads start on first use)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-write")
         self.capacity = None
         super().__init__(storage_config, mem_pool_host)
         if kind is StorageKind.FILE:
@@ -94,7 +96,9 @@ class HiCacheNixl(PagedStorage):
         self.io.register_dram([a.tensor for a in (ctx.set_area, ctx.get_area, ctx.get_area_alt) if a is not None])
         if ctx.zero_copy:
             self.io.register_dram(codec.host_pool.get_host_buffers())
-            if self.io_alt is not None and ctx.get_area_alt is not None:  # what the second lanes move
+            if self.options.spec.kind is StorageKind.FILE:  # what the second lanes move
+                if self.io_alt is None:
+                    self.io_alt = NixlIO(self.options, self._preferred_params())
                 self.io_alt.register_dram([ctx.get_area_alt.tensor, ctx.set_area_alt.tensor,
                                            *codec.host_pool.get_host_buffers()])
         self.contexts[codec.name] = ctx
@@ -178,7 +182,7 @@ class HiCacheNixl(PagedStorage):
             if self.io_alt is not None and all(batch_path.usable(self, c) for c in chunks):
                 self._read_lanes(chunks, done)
                 return [done.get(id(p), False) for p in pages]
-            reader = self._reader_pool()
+            reader = self._reader
             future = reader.submit(self._read_any, chunks[0], False)
             try:
                 for k in range(len(chunks)):
@@ -202,7 +206,7 @@ class HiCacheNixl(PagedStorage):
             for k in range(first, len(chunks), 2):
                 self._settle_any(batch_path.read_chunk(self, chunks[k], alt, io), done)
 
-        _two_lanes(self._reader_pool(), lane)
+        _two_lanes(self._reader, lane)
 
     def _read_any(self, pages: list[PageIO], alt: bool = False):
         """Read one chunk by the batch path when it can take it (``batch_path``), else object
@@ -229,11 +233,6 @@ class HiCacheNixl(PagedStorage):
             self.capacity.touched(touched)
         if rest:  # absent, wrong-sized, failed or unverified: the per-object path classifies them
             self._settle_chunk(*self._transfer_read(rest, result.alt), done)
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-read")
-        return self._reader
 
     def _settle_chunk(self, planned: list[Planned], moved: list[bool], done: dict[int, bool]) -> None:
         """Verify a read chunk (batch check, then page by page for the pages that failed it)."""
@@ -369,8 +368,6 @@ class HiCacheNixl(PagedStorage):
             for k in range(first, len(chunks), 2):
                 results[k] = self._write_one(chunks[k], first == 1)
 
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-write")
         _two_lanes(self._writer, lane)
 
     def _write_chunk(self, pages: list[PageIO]) -> list[bool]:
@@ -412,9 +409,8 @@ class HiCacheNixl(PagedStorage):
         if self.capacity is not None:
             self.capacity.close()
         with self._read_lock, self._write_lock:
-            for pool in (self._reader, self._writer):
-                if pool is not None:
-                    pool.shutdown(wait=True)
+            self._reader.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
             self.io.close()
             if self.io_alt is not None:
                 self.io_alt.close()

@@ -82,9 +82,10 @@ def build_context(codec: PoolCodec, options: NixlOptions, direct_supported: bool
     largest = max(s.nbytes for s in codec.segments)
     slot_bytes = trailer_bytes if zero_copy else round_up(largest + trailer_bytes)
     slots = options.bounce_pages * len(codec.segments)
-    extra = (StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots)) if zero_copy else (None, None)
-    ctx = NixlPoolContext(codec, zero_copy, direct, StagingArea(slot_bytes, slots), StagingArea(slot_bytes, slots),
-                          *extra)
+    def area(needed: bool = True) -> StagingArea | None:
+        return StagingArea(slot_bytes, slots) if needed else None
+
+    ctx = NixlPoolContext(codec, zero_copy, direct, area(), area(), area(zero_copy), area(zero_copy))
     logger.info(
         "HiCacheNixl pool %s: %s, O_DIRECT %s, staging %d x %.1f MiB",
         codec.name.value,
