@@ -154,6 +154,11 @@ class Scheduler:
 
     def abort_request(self, rid: str) -> None:
         """Drop ``rid`` wherever it is; its computed KV goes to the tree like a finished one."""
+        self._abort(rid)
+        if self.hicache:  # the backups that KV made due start now, as they would in a step
+            self.tree_cache.flush_step()
+
+    def _abort(self, rid: str) -> None:
         if self.disagg is not None and self.disagg.abort(rid):
             return
         for req in list(self.waiting):
@@ -207,7 +212,6 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """One scheduling iteration; returns the outputs produced since the last call."""
         if self.hicache:
-            self._flush_host_backups()  # those an abort between steps made due
             self.tree_cache.check_hicache_events()
         if self.disagg is not None:
             self.disagg.step()  # PD queues: bootstrap / pre-allocation, transfers in flight
@@ -223,15 +227,9 @@ class Scheduler:
         elif self.running:
             self._run_decode()
         if self.hicache:
-            self._flush_host_backups()
+            self.tree_cache.flush_step()  # one host reservation and one write-lane job for the step's backups
         outputs, self._outputs = self._outputs, []
         return outputs
-
-    def _flush_host_backups(self) -> None:
-        """Start this step's write-through backups: one host reservation for every node the
-        step's inserts made due, then one write-lane job for all of the step's writes."""
-        self.tree_cache.flush_backups()
-        self.tree_cache.cache_controller.flush_writes()
 
     def _ack_finished_writes(self) -> bool:
         """Unlock memory held by host writes in flight, for a request that found none: consume
@@ -293,7 +291,7 @@ class Scheduler:
         reqs = [r for r, _ in entries]
         prefix_lens = [r.kv_len for r in reqs]
         inputs = [r.tokens(r.kv_len, r.kv_len + n) for r, n in entries]
-        out_cache_loc = torch.cat([self.slots.take(r, n) for r, n in entries])
+        out_cache_loc = self.slots.take_batch(entries)
         consumer = self.tree_cache.ready_to_load_host_cache() if self.hicache else -1
         batch = ForwardBatch.init_extend(self.runner, [r.req_pool_idx for r in reqs], prefix_lens, inputs,
                                          out_cache_loc, hicache_consumer_index=consumer,
@@ -312,7 +310,7 @@ class Scheduler:
         reqs = list(self.running)
         last_tokens = [r.token_at(r.kv_len) for r in reqs]  # the newest output token, no KV yet
         seq_lens = [r.kv_len + 1 for r in reqs]
-        out_cache_loc = torch.cat([self.slots.take(r, 1) for r in reqs])
+        out_cache_loc = self.slots.take_batch([(r, 1) for r in reqs])
         batch = ForwardBatch.init_decode(self.runner, [r.req_pool_idx for r in reqs], last_tokens, seq_lens,
                                          out_cache_loc,
                                          mamba_slots=self.mamba.forward_slots(reqs) if self.mamba else None)

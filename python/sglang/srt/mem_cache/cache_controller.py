@@ -71,6 +71,10 @@ class CacheOperation:
         return CacheOperation(merged, [nid for op in ops for nid in op.node_ids])
 
 
+# (pages counter, bytes counter) of each direction of _count_l2
+_L2_NAMES = {"written": ("pages_written", "bytes_written"), "loaded": ("pages_loaded", "bytes_loaded")}
+
+
 @dataclass
 class HiCacheAck:
     """Completion of one submitted operation: ``finish_event`` is recorded after its last copy."""
@@ -138,7 +142,8 @@ class HiCacheController:
             device_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.load_queue: list[CacheOperation] = []
         self.defer_writes = False  # see write(); the scheduler turns it on
-        self._pending_writes: list[tuple[CacheOperation, object]] = []
+        # write()s deferred to the next flush_writes (read by the tree's per-step flush)
+        self.pending_writes: list[tuple[CacheOperation, object]] = []
         self.ack_write_queue: deque[HiCacheAck] = deque()
         self.ack_load_queue: deque[HiCacheAck] = deque()
         self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
@@ -160,7 +165,9 @@ class HiCacheController:
             raise ValueError(f"no pool {name!r} in this controller; has {[n.value for n in self.bindings]}") from None
 
     def _allocator(self, tier: Tier, name: PoolName):
-        b = self._binding(name)
+        b = self.bindings.get(name)
+        if b is None:
+            b = self._binding(name)  # raises, naming the pools there are
         return b.device_alloc if tier is Tier.DEVICE else b.host_alloc
 
     def available(self, tier: Tier, name: PoolName) -> int:
@@ -258,7 +265,7 @@ class HiCacheController:
             if t.name is self.anchor_name:
                 pages += slots // self.page_size
             bytes_moved += slots * self._slot_bytes(t.name)
-        self.l2_counters.add(**{f"pages_{direction}": pages, f"bytes_{direction}": bytes_moved})
+        self.l2_counters.add_pair(_L2_NAMES[direction], pages, bytes_moved)
 
     def _counted(self, job):
         def run():
@@ -281,7 +288,7 @@ class HiCacheController:
         self._count_l2(op.transfers, "written")
         if ack and self.defer_writes:
             self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
-            self._pending_writes.append((op, finish))
+            self.pending_writes.append((op, finish))
             return finish
         self.flush_writes()
         self._submit_writes([(op, finish)])
@@ -291,7 +298,7 @@ class HiCacheController:
 
     def flush_writes(self) -> int:
         """Start the deferred writes as one lane job (merged per pool); returns how many."""
-        batch, self._pending_writes = self._pending_writes, []
+        batch, self.pending_writes = self.pending_writes, []
         if batch:
             self._submit_writes(batch)
         return len(batch)
@@ -366,8 +373,8 @@ class HiCacheController:
 
     def local_progress(self) -> list[int]:
         """[finished writes, finished loads, 1 if none of them failed else 0], leading acks only."""
-        writes, w_ok = self._leading_done(self.ack_write_queue)
-        loads, l_ok = self._leading_done(self.ack_load_queue)
+        writes, w_ok = self._leading_done(self.ack_write_queue) if self.ack_write_queue else (0, True)
+        loads, l_ok = self._leading_done(self.ack_load_queue) if self.ack_load_queue else (0, True)
         return [writes, loads, int(w_ok and l_ok)]
 
     def pop_write_acks(self, n: int) -> list[HiCacheAck]:
@@ -398,6 +405,6 @@ class HiCacheController:
         try:
             self.flush_writes()
         except RuntimeError:  # a closed lane: nothing more will run
-            self._pending_writes = []
+            self.pending_writes = []
         self.write_lane.close()
         self.load_lane.close()

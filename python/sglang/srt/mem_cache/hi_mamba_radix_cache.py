@@ -148,8 +148,8 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             out.extend(reversed(chain))
         return out
 
-    def _write_backup_nodes(self, nodes: list[TreeNode]) -> int:
-        return super()._write_backup_nodes(self._with_unbacked_ancestors(nodes))
+    def _write_backup_nodes(self, nodes: list[TreeNode], locked=frozenset()) -> int:
+        return super()._write_backup_nodes(self._with_unbacked_ancestors(nodes), locked)
 
     def _write_back(self, node: TreeNode) -> bool:
         ancestors = self._with_unbacked_ancestors([node])[:-1]

@@ -57,6 +57,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
         self.cache_controller = cache_controller
         self.write_policy = cache_controller.write_policy
+        self._backup_threshold = self.write_policy.backup_threshold  # read on every insert
         self.agreement = cache_controller.agreement
         self.load_back_threshold = load_back_threshold
         self.KV = cache_controller.anchor_name
@@ -132,14 +133,12 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     # ---- insert and backup -------------------------------------------------------------------
     def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
-        if node.value is not None:  # not evicted (the property costs a call per node on the path)
-            return False
-        node.value = value.clone()
+        node.value = value.clone()  # evicted (insert asks only then): the recomputed KV comes back
         self.evictable_size_ += value.numel()
         return True
 
     def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
-        threshold = self.write_policy.backup_threshold
+        threshold = self._backup_threshold
         if threshold is None or chunked:
             return
         due = []
@@ -159,15 +158,35 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def flush_backups(self) -> int:
         """Back up the nodes ``insert`` made due since the last call (``defer_backups``): one
         host reservation and one write for all of them (the scheduler calls it once a step).
-        Mutates: their locks move to the write in flight, or are released when the host pool
-        is short on some rank. Returns the tokens queued."""
+        Mutates: the lock each took becomes its write's lock, or is released (no longer due,
+        or the host pool short on some rank). Returns the tokens queued."""
         if not self._due_backups:
             return 0
         nodes, self._due_backups = list(self._due_backups.values()), {}
+        due, ids = [], set()
         for node in nodes:
-            self._unlock_path(node)  # the lock _on_inserted took
-        nodes = [n for n in nodes if n.value is not None and n.host_value is None]  # on device, not backed up
-        return self._write_backup_nodes(nodes) if nodes else 0
+            if node.value is not None and node.host_value is None:  # on device, not backed up
+                due.append(node)
+                ids.add(node.id)
+            else:
+                self._unlock_path(node)  # the lock _on_inserted took
+        queued = 0
+        try:
+            queued = self._write_backup_nodes(due, locked=ids) if due else 0
+        finally:
+            if not queued:
+                for node in due:
+                    self._unlock_path(node)
+        return queued
+
+    def flush_step(self) -> None:
+        """The scheduler's flush at the end of each step (and after an abort between steps):
+        the due backups (``flush_backups``), then every deferred write as one lane job
+        (``flush_writes``). Two tests when there is nothing to do."""
+        if self._due_backups:
+            self.flush_backups()
+        if self.cache_controller.pending_writes:
+            self.cache_controller.flush_writes()
 
     def _drop_due_backups(self) -> None:
         nodes, self._due_backups = list(self._due_backups.values()), {}
@@ -183,30 +202,43 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         return self._write_backup_nodes([node])
 
     def _backup_need(self, nodes: list[TreeNode]) -> dict[PoolName, int]:
-        return {self.KV: sum(len(n.key) for n in nodes)}
+        tokens = 0
+        for n in nodes:  # len(key.ids): numpy's length, no RadixKey.__len__ frame (per step)
+            tokens += len(n.key.ids)
+        return {self.KV: tokens}
 
     def _assign_host(self, nodes: list[TreeNode], host: dict[PoolName, torch.Tensor]) -> list[L2Transfer]:
         """Give ``nodes`` their host slots (in order); the transfers that fill them."""
         slots, off = host[self.KV], 0
         for n in nodes:  # views of the fresh allocation: nothing writes slot lists in place
-            k = len(n.key)
+            k = len(n.key.ids)
             n.host_value = slots[off : off + k]
             off += k
-        values = [n.value for n in nodes]
-        return [L2Transfer(self.KV, slots, values[0] if len(values) == 1 else torch.cat(values))]
+        if len(nodes) == 1:
+            return [L2Transfer(self.KV, slots, nodes[0].value)]
+        values = []
+        for n in nodes:  # a loop, not a comprehension: no extra frame (once a step)
+            values.append(n.value)
+        return [L2Transfer(self.KV, slots, torch.cat(values))]
 
-    def _write_backup_nodes(self, nodes: list[TreeNode]) -> int:
+    def _write_backup_nodes(self, nodes: list[TreeNode], locked: set[int] | frozenset = frozenset()) -> int:
+        """Reserve host slots for ``nodes`` and queue their write; each is locked until it is
+        acknowledged (those in ``locked`` already hold the lock the write keeps). Returns the
+        tokens queued, 0 (nothing locked or queued) when the host pool is short on some rank."""
         host = self._reserve(Tier.HOST, self._backup_need(nodes))
         if host is None:
             logger.debug("backup of %d nodes refused: host pool full on some rank", len(nodes))
             return 0
         transfers = self._assign_host(nodes, host)
+        tokens = 0
         for n in nodes:  # attached device nodes (callers check; ancestors of one are on device)
-            self._lock_path(n)
+            if n.id not in locked:
+                self._lock_path(n)
             self.ongoing_write_through[n.id] = n
-            self._write_tokens[n.id] = len(n.key)
+            self._write_tokens[n.id] = k = len(n.key.ids)
+            tokens += k
         self.cache_controller.write(transfers, [n.id for n in nodes])
-        return sum(len(n.key) for n in nodes)
+        return tokens
 
     def insert_host(self, key: RadixKey, host_indices: torch.Tensor) -> int:
         """Cache ``key`` (whole pages) as host-only nodes holding ``host_indices`` (host slots,
@@ -311,7 +343,9 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             # Nothing to consume. Every rank queued the same acks and popped the agreed counts,
             # so the queues are empty on all of them at once: all skip the collective together.
             return
-        local = controller.local_progress() + self._storage_progress()
+        local = controller.local_progress()
+        if self.storage is not None:
+            local += self._storage_progress()
         agreed = self.agreement.min(local)
         writes, loads, ok = agreed[:3]
         if not ok:
@@ -321,10 +355,12 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
                 node = self.ongoing_write_through.pop(nid)
                 self._unlock_path(node)  # the lock _write_backup_nodes took
                 self._on_write_done(node)
-        for ack in controller.pop_load_acks(loads):
-            for nid in ack.node_ids:
-                self._unlock_path(self.ongoing_load_back.pop(nid))  # init_load_back's lock
-        self._on_storage_progress(agreed[3:])
+        if loads:
+            for ack in controller.pop_load_acks(loads):
+                for nid in ack.node_ids:
+                    self._unlock_path(self.ongoing_load_back.pop(nid))  # init_load_back's lock
+        if self.storage is not None:
+            self._on_storage_progress(agreed[3:])
 
     # ---- reset and integrity -----------------------------------------------------------------
     def reset(self, timeout_s: float | None = None) -> None:

@@ -45,28 +45,55 @@ class TierEvictionMixin:
         One collective: the MIN over ranks of (free - need) per pool. Where it is negative every
         rank evicts the same nodes (same tree, same amount), so the outcome is the same
         everywhere. Returns the slots per pool, or None (nothing allocated) when short.
+
+        Host slots that eviction takes from nodes go straight to the new owner (``_take``)
+        instead of through the allocator's free list and back: in steady state every backup
+        evicts about what it needs, and that round trip was a third of its cost (issue 9).
         """
-        names = sorted(need, key=lambda n: n.value)
-        margins = self.agreement.min([self.cache_controller.available(tier, n) - need[n] for n in names])
+        names = list(need) if len(need) == 1 else sorted(need, key=lambda n: n.value)  # one order on every rank
+        local = []
+        for n in names:
+            local.append(self.cache_controller.available(tier, n) - need[n])
+        margins = self.agreement.min(local)
         deficits = {n: -m for n, m in zip(names, margins) if m < 0}
+        held: dict[PoolName, torch.Tensor] = {}
         if deficits:
-            freed = self._evict_for(tier, deficits)
+            if tier is Tier.HOST:
+                freed, held = self._evict_host_nodes(deficits, hold=True)
+            else:
+                freed = self._evict_device_nodes(deficits)
             if any(freed.get(n, 0) < d for n, d in deficits.items()):
+                self._free_held(tier, held)
                 return None
         out: dict[PoolName, torch.Tensor] = {}
         for n in names:
-            idx = self.cache_controller.alloc(tier, n, need[n])
+            idx = self._take(tier, n, need[n], held.pop(n, None))
             if idx is None:
-                for m, got in out.items():
-                    self.cache_controller.free(tier, m, got)
+                self._free_held(tier, {**out, **held})
                 raise CacheIntegrityError(f"{tier.value} pool {n.value}: {need[n]} slots agreed free but not allocatable")
             out[n] = idx
+        self._free_held(tier, held)  # pools evicted along (hybrid side pools) that were not needed
         return out
 
-    def _evict_for(self, tier: Tier, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
-        if tier is Tier.HOST:
-            return self._evict_host_nodes(deficits)
-        return self._evict_device_nodes(deficits)
+    def _take(self, tier: Tier, name: PoolName, count: int, held: torch.Tensor | None) -> torch.Tensor | None:
+        """``count`` slots of pool ``name``: ``held`` ones (evicted just now, still allocated)
+        first, the allocator for the rest; the surplus of ``held`` is freed. None when the
+        allocator is short (``held`` is then freed too)."""
+        if held is None or held.numel() == 0:
+            return self.cache_controller.alloc(tier, name, count)
+        if held.numel() >= count:
+            if held.numel() > count:  # whole pages: counts are in the pool's page units
+                self.cache_controller.free(tier, name, held[count:], trusted=True)
+            return held[:count]
+        rest = self.cache_controller.alloc(tier, name, count - held.numel())
+        if rest is None:
+            self.cache_controller.free(tier, name, held, trusted=True)
+            return None
+        return torch.cat([held, rest])
+
+    def _free_held(self, tier: Tier, held: dict[PoolName, torch.Tensor]) -> None:
+        for name, idx in held.items():
+            self.cache_controller.free(tier, name, idx, trusted=True)
 
     # ---- device eviction ---------------------------------------------------------------------
     def _is_device_leaf(self, node: TreeNode) -> bool:
@@ -106,33 +133,48 @@ class TierEvictionMixin:
     def _evict_device_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
         freed = dict.fromkeys(deficits, 0)
         priority = self._priority
+        if max(deficits.values(), default=0) <= 0:
+            return freed
         heap = [(priority(n), n) for n in self._device_leaves()]
+        if not heap:
+            return freed
         heapq.heapify(heap)
+        wanted = list(deficits.items())
         outer, self._device_free_batch = self._device_free_batch, []  # one allocator call per pool
         try:
-            short = bool(heap) and any(freed[n] < d for n, d in deficits.items())
-            while short and heap:
+            while heap:
                 _, node = heapq.heappop(heap)
                 for name, count in self._evict_device_node(node).items():
                     freed[name] = freed.get(name, 0) + count
                 parent = node.parent
                 if self._is_device_leaf(parent):
                     heapq.heappush(heap, (priority(parent), parent))
-                short = any(freed[n] < d for n, d in deficits.items())
+                for name, need in wanted:  # a plain loop: ``any`` over a generator costs two frames
+                    if freed[name] < need:
+                        break
+                else:
+                    break  # every deficit met
         finally:
             batch, self._device_free_batch = self._device_free_batch, outer
             self._free_batched(Tier.DEVICE, batch)
-        self._finish_write_back()
+        if self._write_back_events:
+            self._finish_write_back()
         return freed
 
     def _free_batched(self, tier: Tier, batch: list[dict[PoolName, torch.Tensor]]) -> None:
+        for name, idx in (batch[0] if len(batch) == 1 else self._merged(batch)).items():
+            if idx is not None:  # nodes' own slot lists: validated when they entered the tree
+                self.cache_controller.free(tier, name, idx, trusted=True)
+
+    @staticmethod
+    def _merged(batch: list[dict[PoolName, torch.Tensor]]) -> dict[PoolName, torch.Tensor]:
+        """Per pool, the slot lists of ``batch`` in order, as one tensor."""
         by_pool: dict[PoolName, list[torch.Tensor]] = {}
         for slots in batch:
             for name, idx in slots.items():
                 if idx is not None:
                     by_pool.setdefault(name, []).append(idx)
-        for name, parts in by_pool.items():  # nodes' own slot lists: validated when they entered the tree
-            self.cache_controller.free(tier, name, parts[0] if len(parts) == 1 else torch.cat(parts), trusted=True)
+        return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in by_pool.items()}
 
     def _evict_device_node(self, node: TreeNode) -> dict[PoolName, int]:
         if node.host_value is not None:  # backuped
@@ -143,15 +185,22 @@ class TierEvictionMixin:
             return {}  # host-only descendants are pinned by a storage operation
         return self._drop_subtree(node)
 
-    def _release_device_copy(self, node: TreeNode, deferred: bool) -> dict[PoolName, int]:
+    def _release_device_copy(self, node: TreeNode, deferred: bool, stays: bool = True) -> dict[PoolName, int]:
+        """Free (or queue the free of) ``node``'s device slots; returns the slot counts per
+        pool. ``stays``: the node keeps its host copy in the tree (a host eviction candidate
+        once childless); False when the caller deletes it next."""
         slots = self._device_slots(node)
-        self.evictable_size_ -= len(node.key)
+        self.evictable_size_ -= len(node.key.ids)
         self._clear_device(node)
-        if not node.children:
+        if stays and not node.children:
             self._add_host_leaf(node)
         if deferred or self._device_free_batch is not None:
             (self._deferred_device_free if deferred else self._device_free_batch).append(slots)
-            return {name: idx.numel() for name, idx in slots.items() if idx is not None}
+            counts = {}
+            for name, idx in slots.items():  # a loop, not a comprehension: no extra frame
+                if idx is not None:
+                    counts[name] = idx.numel()
+            return counts
         return self._free_slots(Tier.DEVICE, slots)
 
     def _write_back(self, node: TreeNode) -> bool:
@@ -195,7 +244,7 @@ class TierEvictionMixin:
             stack.extend(x.children.values())
             self._free_slots(Tier.HOST, self._host_slots(x))
             self._host_leaves.pop(x.id, None)  # leaves the tree with the subtree
-        freed = self._release_device_copy(node, deferred=False)
+        freed = self._release_device_copy(node, deferred=False, stays=False)  # not a host leaf: it goes now
         self._delete_leaf(node)
         return freed
 
@@ -205,13 +254,14 @@ class TierEvictionMixin:
         free; the nodes leave the tree. Returns host tokens freed (less when not enough)."""
         if num_tokens < 0:
             raise ValueError(f"evict_host: num_tokens must be >= 0, got {num_tokens}")
-        return self._evict_host_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
+        return self._evict_host_nodes({self.KV: num_tokens})[0].get(self.KV, 0) if num_tokens else 0
 
     def _add_host_leaf(self, node: TreeNode) -> None:
         """``node`` may have become a host-only leaf: a host eviction candidate from now on."""
         self._host_leaves[node.id] = node
         heapq.heappush(self._host_heap, (self._priority(node), node))
-        self._compact_host_heap()  # bounded even when no host eviction ever pops the heap
+        if len(self._host_heap) > 2 * len(self._host_leaves) + 64:  # _compact_host_heap's test, inline
+            self._compact_host_heap()  # bounded even when no host eviction ever pops the heap
 
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
@@ -229,14 +279,25 @@ class TierEvictionMixin:
             self._host_heap = heap = [(self._priority(n), n) for n in leaves.values()]
             heapq.heapify(heap)
 
-    def _evict_host_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
+    def _evict_host_nodes(self, deficits: dict[PoolName, int], hold: bool = False
+                          ) -> tuple[dict[PoolName, int], dict[PoolName, torch.Tensor]]:
+        """Evict host-only leaves until ``deficits`` are met (or nothing is left to evict).
+        Returns the slots freed per pool and, with ``hold``, the slots themselves, still
+        allocated, for the caller to reuse or free (else they are freed here, and {})."""
         freed = dict.fromkeys(deficits, 0)
         self._compact_host_heap()
         heap, leaves, priority = self._host_heap, self._host_leaves, self._priority
         pinned: list[tuple] = []  # candidates still, once unpinned: pushed back at the end
         batch: list[dict[PoolName, torch.Tensor]] = []  # one allocator call per pool at the end
+        held = False
+        wanted = list(deficits.items())
         try:
-            while heap and any(freed[n] < d for n, d in deficits.items()):
+            while heap:
+                for name, need in wanted:  # still short in some pool? (a loop: no generator frames)
+                    if freed[name] < need:
+                        break
+                else:
+                    break
                 key, node = heapq.heappop(heap)
                 if leaves.get(node.id) is not node:
                     continue  # left the tree, or a duplicate entry of one evicted already
@@ -257,11 +318,13 @@ class TierEvictionMixin:
                         freed[name] = freed.get(name, 0) + idx.numel()
                 self._clear_host(node)
                 self._delete_leaf(node)  # pushes the parent when it becomes a host leaf
+            held = hold
         finally:
             for entry in pinned:
                 heapq.heappush(heap, entry)
-            self._free_batched(Tier.HOST, batch)
-        return freed
+            if not held:  # also when the walk raised: nothing is left owned by nobody
+                self._free_batched(Tier.HOST, batch)
+        return freed, (self._merged(batch) if held else {})
 
     def protect_host(self, node: TreeNode) -> None:
         """Pin the host copies of ``node`` and its ancestors against ``evict_host``."""

@@ -216,9 +216,11 @@ class StorageTreeMixin:
     def _on_write_done(self, node: TreeNode) -> None:
         """Queue the L3 backup of the host copy just acknowledged (splits since the write
         included: the write covered ``node`` and the ancestors split off it)."""
-        written = self._write_tokens.pop(node.id, len(node.key))
+        written = self._write_tokens.pop(node.id, None)
         if self.storage is None:
             return
+        if written is None:
+            written = len(node.key)
         region, x, covered = [], node, 0
         while covered < written and x is not self.root_node:
             region.append(x)

@@ -109,7 +109,7 @@ class RadixCache(RequestCacheMixin):
     def _step(self, node: TreeNode, key: RadixKey, pos: int) -> TreeNode | None:
         """The child of ``node`` matching ``key`` from token ``pos``, split so that it matches
         entirely; None when no child shares the next page."""
-        child = node.children.get(self._child_key(key, pos))
+        child = node.children.get(key.child_key(pos, self.page_size))  # _child_key, inline: per step per node
         if child is None:
             return None
         n = max(common_prefix_len(child.key.ids, key.ids[pos:], self.page_size), self.page_size)
@@ -215,7 +215,7 @@ class RadixCache(RequestCacheMixin):
             n = len(child.key)
             child.last_access_time = now
             child.access_count += 1
-            if self._insert_existing(child, value[pos : pos + n]):
+            if child._value is None and self._insert_existing(child, value[pos : pos + n]):
                 adopting = True
             elif adopting:
                 raise CacheIntegrityError(f"node {child.id} has a device copy below an evicted node")
@@ -229,7 +229,8 @@ class RadixCache(RequestCacheMixin):
         return prefix_len
 
     def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
-        """Hook: an existing node on the insert path; True when it adopts ``value``."""
+        """Hook: an existing node on the insert path that has no device copy (none in this
+        tree: it deletes what it evicts); True when it adopts ``value``."""
         return False
 
     def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
@@ -256,7 +257,7 @@ class RadixCache(RequestCacheMixin):
         return len(node.key)
 
     def _delete_leaf(self, node: TreeNode) -> None:
-        del node.parent.children[self._child_key(node.key)]
+        del node.parent.children[node.key.child_key(0, self.page_size)]  # _child_key, inline
         node.stamp = new_stamp()  # gone: a match through it is stale
 
     def evict(self, num_tokens: int) -> int:

@@ -18,6 +18,13 @@ class TierCounters:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+    def add_pair(self, names: tuple[str, str], first: int, second: int) -> None:
+        """``add`` of two counters, without building keyword arguments (once per transfer)."""
+        with self._lock:
+            counts = self._counts
+            counts[names[0]] += first
+            counts[names[1]] += second
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)

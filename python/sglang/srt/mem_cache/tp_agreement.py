@@ -38,10 +38,10 @@ class TPAgreement:
         Every rank must pass a vector of the same length. Raises whatever the collective raises
         (a peer that died surfaces as an error here, not as a hang, given a group timeout).
         """
-        values = [int(v) for v in values]
         self.num_calls += 1
         if self.world_size == 1:
-            return values
+            return list(map(int, values))
+        values = [int(v) for v in values]
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)

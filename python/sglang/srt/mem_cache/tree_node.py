@@ -9,6 +9,7 @@ namespace seed at the root), so a node's hashes never depend on how the tree hap
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +24,9 @@ _node_ids = itertools.count()
 _stamps = itertools.count(1)
 
 
-def new_stamp() -> int:
-    """A fresh point of the tree clock: larger than every stamp handed out before."""
-    return next(_stamps)
+# new_stamp() -> int: a fresh point of the tree clock, larger than every stamp handed out
+# before. The counter's own bound method: a C call, no Python frame (it runs per deleted node).
+new_stamp = _stamps.__next__
 
 
 def _stamped(name: str) -> property:
@@ -33,14 +34,13 @@ def _stamped(name: str) -> property:
     may now return something else)."""
     slot = "_" + name
 
-    def get(self):
-        return self.__dict__[slot]
-
     def set(self, value):
         self.__dict__[slot] = value
         self.stamp = next(_stamps)
 
-    return property(get, set)
+    # The getter is a C callable: reads (several per node on every tree walk, most of them in
+    # HiCache's per-step paths) then run no Python frame; only writes move the stamp (issue 9).
+    return property(operator.attrgetter(slot), set)
 
 
 def empty_indices() -> torch.Tensor:

@@ -3,7 +3,10 @@
 flight does; a deferred backup whose copy runs in the submitting thread (a short job) still locks
 its nodes until the next ack; the unchecked lock walks move sizes exactly like the checked ones;
 the allocator still catches a page named twice in an unsorted free, and a trusted free still
-checks the range and double frees; host eviction keeps policy order across calls."""
+checks the range and double frees; host eviction keeps policy order across calls; a backup takes
+the host slots its eviction frees (exactly, with a surplus freed, or topped up from the free
+list) without losing one; a due backup's lock becomes its write's lock, or is released when
+the host pool refuses it."""
 
 import pytest
 import torch
@@ -114,6 +117,94 @@ def test_host_eviction_heap_stays_bounded_without_host_evictions():
         h.cache_controller.synchronize()
         h.check_hicache_events()
     assert len(h._host_heap) <= 2 * len(h._host_leaves) + 64
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def backed_up_host_leaves(h, keys):
+    """Insert ``keys`` (write-through), acknowledge the writes, drop every device copy."""
+    nodes = [insert(h, k) for k in keys]
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert h.evict(sum(map(len, keys))) == sum(map(len, keys))
+    assert all(n.evicted and n.backuped for n in nodes)
+    return nodes
+
+
+def count_calls(monkeypatch, obj, names):
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(obj, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(obj, name, counted)
+    return calls
+
+
+def test_backup_takes_the_host_slots_its_eviction_frees(monkeypatch):
+    h = make_hicache(page_size=P, device_pages=16, host_pages=8)  # host: 16 slots
+    host_alloc = h.cache_controller.bindings[h.KV].host_alloc
+    keys = [[base + i for i in range(4)] for base in (10, 20, 30, 40)]
+    a, b, c, d = backed_up_host_leaves(h, keys)
+    assert host_alloc.available_size() == 0
+    old = {name: set(n.host_value.tolist()) for name, n in zip("abcd", (a, b, c, d))}
+    calls = count_calls(monkeypatch, host_alloc, ["alloc", "free"])
+
+    e = insert(h, [50, 51, 52, 53])  # needs 4: evicts a (LRU), takes its 4 slots
+    assert not h._is_attached(a) and set(e.host_value.tolist()) == old["a"]
+    assert host_alloc.available_size() == 0 and calls == {"alloc": 0, "free": 0}  # no round trip
+    h.check_integrity()
+
+    f = insert(h, [60, 61])  # needs 2: evicts b (4), takes 2 of them, frees the other 2
+    assert not h._is_attached(b) and set(f.host_value.tolist()) < old["b"]
+    assert host_alloc.available_size() == 2 and calls == {"alloc": 0, "free": 1}
+    h.check_integrity()
+
+    g = insert(h, [70, 71, 72, 73, 74, 75])  # needs 6, 2 free: evicts c (4), tops up from the free list
+    assert not h._is_attached(c) and calls == {"alloc": 1, "free": 1}
+    assert old["c"] < set(g.host_value.tolist()) == old["c"] | (old["b"] - set(f.host_value.tolist()))
+    assert host_alloc.available_size() == 0 and g.host_value.numel() == 6
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_refused_backup_releases_what_its_eviction_held():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=4)  # host: 8 slots
+    host_alloc = h.cache_controller.bindings[h.KV].host_alloc
+    a, b = backed_up_host_leaves(h, [[10, 11, 12, 13], [20, 21, 22, 23]])
+    h.protect_host(b)  # only a can go: 4 slots, short of the 6 needed
+    node = insert(h, [30, 31, 32, 33, 34, 35])
+    assert node.host_value is None and not h.ongoing_write_through and node.lock_ref == 0
+    assert not h._is_attached(a)  # evicted on the way, its slots returned to the free list
+    assert host_alloc.available_size() == 4
+    h.release_host(b)
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_due_backup_keeps_one_lock_into_its_write_or_releases_it():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=4)
+    h.defer_backups = True
+    h.cache_controller.defer_writes = True
+    node = insert(h, [1, 2, 3, 4])
+    assert node.lock_ref == 1 and h.protected_size() == 4
+    assert h.flush_backups() == 4
+    assert node.lock_ref == 1 and h.ongoing_write_through == {node.id: node}  # the same lock, not a second
+    h.flush_step()  # the write-lane job
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert node.lock_ref == 0 and h.protected_size() == 0 and node.backuped
+    h.protect_host(node)  # the host pool (8 slots) has 4 free and nothing evictable
+    big = insert(h, [10, 11, 12, 13, 14, 15])
+    assert big.lock_ref == 1
+    assert h.flush_backups() == 0  # refused: the lock it took when due is released
+    assert big.lock_ref == 0 and big.host_value is None and h.protected_size() == 0
+    h.release_host(node)
     h.check_integrity()
     h.cache_controller.close()
 
