@@ -61,6 +61,10 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self.agreement = cache_controller.agreement
         self.load_back_threshold = load_back_threshold
         self.KV = cache_controller.anchor_name
+        # No per-node slot hook overridden (no side pools): the eviction loops then read and
+        # clear a node's one slot list themselves, without the four hook calls per node.
+        self._kv_only = all(getattr(type(self), h) is getattr(HiRadixCache, h)
+                            for h in ("_device_slots", "_host_slots", "_clear_device", "_clear_host"))
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
         # With defer_backups (set by the scheduler), write-through backups that insert makes due

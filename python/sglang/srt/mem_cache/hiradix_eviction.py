@@ -55,16 +55,20 @@ class TierEvictionMixin:
         for n in names:
             local.append(self.cache_controller.available(tier, n) - need[n])
         margins = self.agreement.min(local)
-        deficits = {n: -m for n, m in zip(names, margins) if m < 0}
+        deficits = {}
+        for n, m in zip(names, margins):  # loops, not comprehensions: this runs once a step
+            if m < 0:
+                deficits[n] = -m
         held: dict[PoolName, torch.Tensor] = {}
         if deficits:
             if tier is Tier.HOST:
                 freed, held = self._evict_host_nodes(deficits, hold=True)
             else:
                 freed = self._evict_device_nodes(deficits)
-            if any(freed.get(n, 0) < d for n, d in deficits.items()):
-                self._free_held(tier, held)
-                return None
+            for n, d in deficits.items():
+                if freed.get(n, 0) < d:
+                    self._free_held(tier, held)
+                    return None
         out: dict[PoolName, torch.Tensor] = {}
         for n in names:
             idx = self._take(tier, n, need[n], held.pop(n, None))
@@ -81,9 +85,10 @@ class TierEvictionMixin:
         allocator is short (``held`` is then freed too)."""
         if held is None or held.numel() == 0:
             return self.cache_controller.alloc(tier, name, count)
-        if held.numel() >= count:
-            if held.numel() > count:  # whole pages: counts are in the pool's page units
-                self.cache_controller.free(tier, name, held[count:], trusted=True)
+        if held.numel() == count:
+            return held
+        if held.numel() > count:  # whole pages: counts are in the pool's page units
+            self.cache_controller.free(tier, name, held[count:], trusted=True)
             return held[:count]
         rest = self.cache_controller.alloc(tier, name, count - held.numel())
         if rest is None:
@@ -189,9 +194,13 @@ class TierEvictionMixin:
         """Free (or queue the free of) ``node``'s device slots; returns the slot counts per
         pool. ``stays``: the node keeps its host copy in the tree (a host eviction candidate
         once childless); False when the caller deletes it next."""
-        slots = self._device_slots(node)
+        if self._kv_only:  # _device_slots and _clear_device, inline
+            slots = {self.KV: node._value}
+            node.value = None
+        else:
+            slots = self._device_slots(node)
+            self._clear_device(node)
         self.evictable_size_ -= len(node.key.ids)
-        self._clear_device(node)
         if stays and not node.children:
             self._add_host_leaf(node)
         if deferred or self._device_free_batch is not None:
@@ -311,12 +320,16 @@ class TierEvictionMixin:
                 if now != key:  # accessed since it was pushed: its place is later
                     heapq.heappush(heap, (now, node))
                     continue
-                slots = self._host_slots(node)
+                if self._kv_only:  # _host_slots and _clear_host, inline
+                    slots = {self.KV: node._host_value}
+                    node.host_value = None
+                else:
+                    slots = self._host_slots(node)
+                    self._clear_host(node)
                 batch.append(slots)
                 for name, idx in slots.items():
                     if idx is not None:
                         freed[name] = freed.get(name, 0) + idx.numel()
-                self._clear_host(node)
                 self._delete_leaf(node)  # pushes the parent when it becomes a host leaf
             held = hold
         finally:

@@ -56,6 +56,19 @@ class Env:
         return self.tree.match_prefix(RadixKey(tokens))
 
 
+def test_eviction_keeps_the_slot_hooks_of_side_pools():
+    env = Env()
+    assert env.tree._kv_only is False  # its per-node hooks move the states too: no inline KV-only path
+    env.insert([1, 2, 3, 4])
+    env.settle()
+    node = env.match([1, 2, 3, 4]).last_device_node
+    assert node.mamba_value is not None and node.mamba_host_value is not None
+    assert env.tree.evict(4) == 4
+    assert node.mamba_value is None and node.mamba_host_value is not None  # the state left the device with the KV
+    assert env.tree.evict_host(4) == 4 and not env.tree._is_attached(node)
+    env.tree.check_integrity()
+
+
 def test_match_ends_at_the_deepest_known_state():
     env = Env()
     env.insert([1, 2, 3, 4])

@@ -146,6 +146,7 @@ def count_calls(monkeypatch, obj, names):
 
 def test_backup_takes_the_host_slots_its_eviction_frees(monkeypatch):
     h = make_hicache(page_size=P, device_pages=16, host_pages=8)  # host: 16 slots
+    assert h._kv_only  # the eviction loops' inline path for a tree without side pools
     host_alloc = h.cache_controller.bindings[h.KV].host_alloc
     keys = [[base + i for i in range(4)] for base in (10, 20, 30, 40)]
     a, b, c, d = backed_up_host_leaves(h, keys)
