@@ -33,15 +33,20 @@ class TokenSlotAllocator:
         used = (int(req.kv_indices[-1]) + 1) % self.page_size
         return 0 if used == 0 else self.page_size - used
 
+    def _room_and_pages(self, req: Req, num_tokens: int) -> tuple[int, int]:
+        """Of the next ``num_tokens``: how many fit the last own page, and the fresh pages the
+        rest needs."""
+        room = min(self._tail_room(req), num_tokens)
+        return room, -(-(num_tokens - room) // self.page_size)
+
     def take(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Slots for the request's next ``num_tokens`` tokens (int64). Appends them to
         ``req.kv_indices`` and counts new pages in ``req.pages_allocated``."""
-        room = min(self._tail_room(req), num_tokens)
+        room, pages = self._room_and_pages(req, num_tokens)
         parts = []
         if room:
             last = int(req.kv_indices[-1])
             parts.append(torch.arange(last + 1, last + 1 + room, dtype=torch.int64))
-        pages = -(-(num_tokens - room) // self.page_size)
         if pages:
             fresh = self.alloc_pages(pages)
             req.pages_allocated += pages
@@ -57,7 +62,7 @@ class TokenSlotAllocator:
         device slots once per request (issue 9)."""
         need = 0
         for req, n in entries:
-            need += -(-(n - min(self._tail_room(req), n)) // self.page_size)
+            need += self._room_and_pages(req, n)[1]
         if need:
             self.make_room(need)
         return torch.cat([self.take(r, n) for r, n in entries])

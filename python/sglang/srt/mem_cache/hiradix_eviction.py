@@ -67,16 +67,16 @@ class TierEvictionMixin:
                 freed = self._evict_device_nodes(deficits)
             for n, d in deficits.items():
                 if freed.get(n, 0) < d:
-                    self._free_held(tier, held)
+                    self._free_slots(tier, held)
                     return None
         out: dict[PoolName, torch.Tensor] = {}
         for n in names:
             idx = self._take(tier, n, need[n], held.pop(n, None))
             if idx is None:
-                self._free_held(tier, {**out, **held})
+                self._free_slots(tier, {**out, **held})
                 raise CacheIntegrityError(f"{tier.value} pool {n.value}: {need[n]} slots agreed free but not allocatable")
             out[n] = idx
-        self._free_held(tier, held)  # pools evicted along (hybrid side pools) that were not needed
+        self._free_slots(tier, held)  # pools evicted along (hybrid side pools) that were not needed
         return out
 
     def _take(self, tier: Tier, name: PoolName, count: int, held: torch.Tensor | None) -> torch.Tensor | None:
@@ -95,10 +95,6 @@ class TierEvictionMixin:
             self.cache_controller.free(tier, name, held, trusted=True)
             return None
         return torch.cat([held, rest])
-
-    def _free_held(self, tier: Tier, held: dict[PoolName, torch.Tensor]) -> None:
-        for name, idx in held.items():
-            self.cache_controller.free(tier, name, idx, trusted=True)
 
     # ---- device eviction ---------------------------------------------------------------------
     def _is_device_leaf(self, node: TreeNode) -> bool:
@@ -167,9 +163,7 @@ class TierEvictionMixin:
         return freed
 
     def _free_batched(self, tier: Tier, batch: list[dict[PoolName, torch.Tensor]]) -> None:
-        for name, idx in (batch[0] if len(batch) == 1 else self._merged(batch)).items():
-            if idx is not None:  # nodes' own slot lists: validated when they entered the tree
-                self.cache_controller.free(tier, name, idx, trusted=True)
+        self._free_slots(tier, batch[0] if len(batch) == 1 else self._merged(batch))
 
     @staticmethod
     def _merged(batch: list[dict[PoolName, torch.Tensor]]) -> dict[PoolName, torch.Tensor]:
