@@ -47,6 +47,20 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     """``prefetch_stop_policy``: when a waiting request stops waiting for its L3 prefetch
     (``best_effort``, ``wait_complete``, ``timeout``); unused without storage."""
 
+    # The state this class and its mixins add lives in slots, not in the instance dict: CPython
+    # (3.11+) keeps an instance's attributes in a shared-key layout only up to 30 names, and past
+    # that every attribute read and method call on the tree leaves the specialized fast path
+    # (~30% slower, on every per-step path of the tree; issue 9). RadixCache's own attributes
+    # (and a subclass's) stay in the dict, well under the limit.
+    __slots__ = (
+        "cache_controller", "write_policy", "_backup_threshold", "agreement", "load_back_threshold", "KV",
+        "_kv_only", "ongoing_write_through", "ongoing_load_back", "defer_backups", "_due_backups",
+        "_write_back_events", "_write_back_nodes", "_deferred_device_free", "_device_free_batch",
+        "_quarantined_on_reset", "_host_leaves", "_host_heap", "_device_candidates",
+        # StorageTreeMixin (hiradix_storage.py)
+        "prefetch_stop_policy", "storage", "ongoing_prefetch", "prefetch_loaded_tokens", "_write_tokens",
+    )
+
     def __init__(self, params: CacheInitParams, cache_controller: HiCacheController, load_back_threshold: int = 0,
                  prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
         if params.disable:
@@ -84,6 +98,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self.root_node.host_value = empty_indices()
         self._host_leaves: dict[int, TreeNode] = {}  # candidates of host eviction (hiradix_eviction.py)
         self._host_heap: list[tuple] = []  # (priority when pushed, node) over them, stale entries skipped
+        self._device_candidates: dict[int, TreeNode] = {}  # a superset of the device leaves (hiradix_eviction.py)
 
     # ---- per-node slots (extended by hybrid trees) -------------------------------------------
     def _device_slots(self, node: TreeNode) -> dict[PoolName, torch.Tensor]:
@@ -138,10 +153,21 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     # ---- insert and backup -------------------------------------------------------------------
     def _insert_existing(self, node: TreeNode, value: torch.Tensor) -> bool:
         node.value = value.clone()  # evicted (insert asks only then): the recomputed KV comes back
+        node.parent.device_children += 1
         self.evictable_size_ += value.numel()
         return True
 
+    def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
+        new = super()._split_node(child, split_len)
+        new.device_children = 1 if child._value is not None else 0  # its one child; the parent's count is unchanged
+        return new
+
     def _on_inserted(self, touched: list[tuple[TreeNode, bool]], chunked: bool) -> None:
+        if touched:  # the path's deepest node is on device, any child of it host-only: a device leaf
+            end, new = touched[-1]
+            if new:
+                end.parent.device_children += 1
+            self._device_candidates[end.id] = end
         threshold = self._backup_threshold
         if threshold is None or chunked:
             return
@@ -324,8 +350,10 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         off = 0
         for n in chain:
             n.value = device[self.KV][off : off + len(n.key)].clone()
+            n.parent.device_children += 1
             off += len(n.key)
             self.evictable_size_ += len(n.key)
+        self._device_candidates[chain[-1].id] = chain[-1]  # its children are host-only
         return [L2Transfer(self.KV, torch.cat([n.host_value for n in chain]), device[self.KV])]
 
     def ready_to_load_host_cache(self) -> int:
@@ -395,6 +423,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             raise error
 
     def _check_node(self, node: TreeNode) -> None:
+        self._check_device_children(node)
         if node.evicted and not node.backuped:
             raise CacheIntegrityError(f"node {node.id} has neither a device nor a host copy")
         if node.evicted and (node.lock_ref or any(not c.evicted for c in node.children.values())):
@@ -402,16 +431,28 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         if node.evicted and not node.children and self._host_leaves.get(node.id) is not node:
             raise CacheIntegrityError(f"node {node.id} is a host-only leaf missing from the host eviction candidates")
 
+    def _check_device_children(self, node: TreeNode) -> None:
+        on_device = sum(1 for c in node.children.values() if not c.evicted)
+        if node.device_children != on_device:
+            raise CacheIntegrityError(f"node {node.id} counts {node.device_children} children on device, has {on_device}")
+        if not node.evicted and not on_device and node is not self.root_node \
+                and self._device_candidates.get(node.id) is not node:
+            raise CacheIntegrityError(f"node {node.id} is a device leaf missing from the device eviction candidates")
+
     def _check_host_leaves(self) -> None:
         for nid, node in self._host_leaves.items():
             if not self._is_attached(node):
                 raise CacheIntegrityError(f"node {nid} left the tree but is still a host eviction candidate")
+        for nid, node in self._device_candidates.items():
+            if not node.evicted and not self._is_attached(node):
+                raise CacheIntegrityError(f"node {nid} left the tree with its device copy but is still a device eviction candidate")
 
     def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=()) -> None:
         """RadixCache.check_integrity plus the host tier: every host slot is free, in the tree,
         held by a storage operation (an in-flight prefetch, a backup a bounded flush
         abandoned), or in ``request_host_indices``."""
         super().check_integrity(request_device_indices, check_hashes)
+        self._check_device_children(self.root_node)
         self._check_host_leaves()
         for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
             if not self._is_attached(node) or node.evicted or node.lock_ref == 0:

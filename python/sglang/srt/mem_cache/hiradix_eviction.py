@@ -6,8 +6,11 @@ on every rank where the margin is negative, and allocates everywhere or nowhere.
 
 Device eviction takes unlocked device leaves (nodes whose children are all host-only) in
 policy order: a backed-up node keeps its host copy, others are written back first under
-``write_back`` or dropped with their host-only descendants; the walk for them never enters a
-host-only subtree. Host eviction drops host-only leaves nobody pins (``protect_host``),
+``write_back`` or dropped with their host-only descendants. It reads them from
+``_device_candidates`` (node id -> node), a superset kept up to date where a node can become
+one (the deepest node of an insert, a load-back's last node, a parent whose last device child
+left) and pruned lazily; each node counts its children on device (``device_children``), so
+neither the pick nor the leaf test reads a node's children. Host eviction drops host-only leaves nobody pins (``protect_host``),
 deleting them from the tree; it reads them from ``_host_leaves`` (node id -> node), a superset
 kept up to date wherever a node can become one (its device copy released while childless, a
 new host leaf, a deleted child: ``_add_host_leaf``) and pruned lazily, so it never walks the
@@ -100,12 +103,7 @@ class TierEvictionMixin:
     def _is_device_leaf(self, node: TreeNode) -> bool:
         # ``_value``: the stored slot list behind the stamped ``value`` property (a read needs no
         # stamp, and the property call costs as much as the rest of this test)
-        if node is self.root_node or node._value is None or node.lock_ref:
-            return False
-        for c in node.children.values():
-            if c._value is not None:
-                return False
-        return True
+        return not (node is self.root_node or node._value is None or node.lock_ref or node.device_children)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` device slots from unlocked device leaves (a node whose
@@ -116,19 +114,20 @@ class TierEvictionMixin:
         return self._evict_device_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
 
     def _device_leaves(self) -> list[TreeNode]:
-        """Unlocked device leaves (``_is_device_leaf``). Device copies are downward closed, so
-        the walk never enters a host-only subtree: its cost is bounded by the device pool."""
-        root = self.root_node
-        out, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            leaf = True
-            for c in node.children.values():
-                if c._value is not None:  # not c.evicted, nor the value property: this runs per eviction
-                    stack.append(c)
-                    leaf = False
-            if leaf and node is not root and node.lock_ref == 0:
+        """Unlocked device leaves (``_is_device_leaf``), read from ``_device_candidates`` and
+        pruned of the nodes that are no longer leaves (they come back when they are again).
+
+        A walk of the device nodes visited every child of each, and a popular prefix may have
+        thousands of host-only children: with the candidates an eviction reads no children."""
+        cands = self._device_candidates
+        out, gone = [], []
+        for nid, node in cands.items():
+            if node._value is None or node.device_children:
+                gone.append(nid)
+            elif not node.lock_ref:
                 out.append(node)
+        for nid in gone:
+            del cands[nid]
         return out
 
     def _evict_device_nodes(self, deficits: dict[PoolName, int]) -> dict[PoolName, int]:
@@ -195,6 +194,10 @@ class TierEvictionMixin:
             slots = self._device_slots(node)
             self._clear_device(node)
         self.evictable_size_ -= len(node.key.ids)
+        parent = node.parent
+        parent.device_children -= 1
+        if not parent.device_children and parent is not self.root_node:
+            self._device_candidates[parent.id] = parent  # its last device child left: a device leaf
         if stays and not node.children:
             self._add_host_leaf(node)
         if deferred or self._device_free_batch is not None:
@@ -269,6 +272,7 @@ class TierEvictionMixin:
     def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
         self._host_leaves.pop(node.id, None)
+        self._device_candidates.pop(node.id, None)
         parent = node.parent
         if parent is not self.root_node and parent.value is None and not parent.children:
             self._add_host_leaf(parent)

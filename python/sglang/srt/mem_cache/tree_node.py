@@ -35,7 +35,7 @@ def _stamped(name: str) -> property:
     slot = "_" + name
 
     def set(self, value):
-        self.__dict__[slot] = value
+        setattr(self, slot, value)
         self.stamp = next(_stamps)
 
     # The getter is a C callable: reads (several per node on every tree walk, most of them in
@@ -61,6 +61,13 @@ class TreeNode:
     (``match_reuse.py``).
     """
 
+    # Slots, not an instance dict: attribute reads on nodes run in every tree walk, and a slot
+    # read is the interpreter's fastest attribute path (issue 9). The stamped attributes'
+    # storage is the slot of the same name with a leading underscore.
+    __slots__ = ("id", "parent", "_key", "children", "_value", "_host_value", "hash_value", "lock_ref",
+                 "host_ref_counter", "hit_count", "access_count", "last_access_time", "device_children",
+                 "_mamba_value", "_mamba_host_value", "stamp")
+
     key = _stamped("key")
     value = _stamped("value")
     host_value = _stamped("host_value")
@@ -80,6 +87,10 @@ class TreeNode:
         self.hit_count = 0
         self.access_count = 0
         self.last_access_time = 0
+        # HiRadixCache: how many children have a device copy (a device node with none is a
+        # device leaf, an eviction candidate), kept up to date wherever a device copy comes or
+        # goes, so that test reads no children (most of a popular prefix's may be host-only).
+        self.device_children = 0
         # Hybrid trees: one Mamba state (device slot / host slot) for the end of this node's key.
         self.mamba_value: torch.Tensor | None = None
         self.mamba_host_value: torch.Tensor | None = None

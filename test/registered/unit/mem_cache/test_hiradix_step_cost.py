@@ -6,15 +6,20 @@ the allocator still catches a page named twice in an unsorted free, and a truste
 checks the range and double frees; host eviction keeps policy order across calls; a backup takes
 the host slots its eviction frees (exactly, with a surplus freed, or topped up from the free
 list) without losing one; a due backup's lock becomes its write's lock, or is released when
-the host pool refuses it."""
+the host pool refuses it; device eviction picks its leaves from kept candidates and counts of
+device children, reading no host-only children; the tree and its nodes keep their state off
+CPython's slow attribute paths."""
 
 import pytest
 import torch
-from tree_fixtures import make_hicache
+from tree_fixtures import kv_mamba_stack, make_hicache
 
 from sglang.srt.mem_cache import transfer_lane
 from sglang.srt.mem_cache.allocator import PagedAllocator
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
+from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")
@@ -22,9 +27,13 @@ register_cpu_ci(est_time=3, suite="per-commit-cpu")
 P = 2
 
 
-def insert(h, tokens):
+def insert(h, tokens, shared=0):
+    """Cache ``tokens`` on fresh slots (the first ``shared`` already cached: their duplicates go
+    back to the allocator); returns the node the key ends in."""
     slots = h.token_to_kv_pool_allocator.alloc(len(tokens))
-    assert h.insert(RadixKey(tokens), slots) == 0
+    assert h.insert(RadixKey(tokens), slots) == shared
+    if shared:
+        h.token_to_kv_pool_allocator.free(slots[:shared])
     return h.match_prefix(RadixKey(tokens)).last_device_node
 
 
@@ -208,6 +217,109 @@ def test_due_backup_keeps_one_lock_into_its_write_or_releases_it():
     h.release_host(node)
     h.check_integrity()
     h.cache_controller.close()
+
+
+class CountingChildren(dict):
+    """A node's children dict that counts the walks over it (iteration of any kind)."""
+
+    walks = 0
+
+    def values(self):
+        CountingChildren.walks += 1
+        return super().values()
+
+    def items(self):
+        CountingChildren.walks += 1
+        return super().items()
+
+    def __iter__(self):
+        CountingChildren.walks += 1
+        return super().__iter__()
+
+
+def test_device_eviction_reads_no_children_of_a_prefix_with_many_host_only_ones():
+    h = make_hicache(page_size=P, device_pages=64, host_pages=128)
+    prefix = [1, 2, 3, 4]
+    tails = [[100 + 2 * i, 101 + 2 * i] for i in range(40)]
+    for i, tail in enumerate(tails):  # one shared prefix, 40 children, all backed up then dropped from device
+        insert(h, prefix + tail, shared=4 if i else 0)
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    top = h.match_prefix(RadixKey(prefix)).last_device_node
+    assert h.evict(80) == 80 and len(top.children) == 40 and top.device_children == 0
+    live = insert(h, prefix + [7, 8], shared=4)  # the prefix's one device child
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert top.device_children == 1 and not h._is_device_leaf(top)
+    top.children = CountingChildren(top.children)
+    CountingChildren.walks = 0
+    assert h.evict(2) == 2 and live.evicted  # the device leaf goes; the prefix becomes one
+    assert h._is_device_leaf(top) and h._device_candidates[top.id] is top
+    assert h.evict(4) == 4 and top.evicted  # and goes next, its 41 host-only children untouched
+    assert CountingChildren.walks == 0
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_integrity_check_catches_a_wrong_device_child_count_or_a_missing_candidate():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32)
+    leaf = insert(h, [1, 2, 3, 4, 5, 6])
+    insert(h, [1, 2, 3, 4, 7, 8], shared=4)  # splits the leaf: a parent [1..4] with two device children
+    top = h.match_prefix(RadixKey([1, 2, 3, 4])).last_device_node
+    assert top.device_children == 2 and leaf.parent is top
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    h.check_integrity()
+    top.device_children -= 1
+    with pytest.raises(CacheIntegrityError, match="children on device"):
+        h.check_integrity()
+    top.device_children += 1
+    del h._device_candidates[leaf.id]
+    with pytest.raises(CacheIntegrityError, match="missing from the device eviction candidates"):
+        h.check_integrity()
+    h._device_candidates[leaf.id] = leaf
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_a_loaded_back_chain_is_a_device_eviction_candidate_again():
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32)
+    tokens = [1, 2, 3, 4, 5, 6]
+    node = insert(h, tokens)
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    assert h.evict(6) == 6 and node.evicted
+    m = h.match_prefix(RadixKey(tokens + [9, 9]))
+    assert h.init_load_back(m.last_host_node, m.host_hit_length).numel() == 6
+    assert h._device_candidates[node.id] is node and node.parent.device_children == 1
+    h.ready_to_load_host_cache()
+    h.cache_controller.synchronize()
+    h.check_hicache_events()
+    h.check_integrity()
+    assert h.evict(6) == 6 and node.evicted  # found without a walk of the tree
+    h.check_integrity()
+    h.cache_controller.close()
+
+
+def test_tree_state_stays_off_the_interpreter_slow_attribute_paths():
+    """CPython keeps an instance's attributes in a shared-key layout (specialized reads and
+    method calls) only up to 30 names: the HiCache trees keep theirs in slots, nodes have no
+    instance dict at all."""
+    h = make_hicache(page_size=P, device_pages=16, host_pages=32)
+    insert(h, [1, 2, 3, 4])
+    assert all(hasattr(h, name) for name in HiRadixCache.__slots__)  # every slot is the tree's state
+    assert len(vars(h)) < 30, sorted(vars(h))
+    mamba_tree = kv_mamba_stack(HiCacheConfig(io_backend="direct")).tree_cache
+    assert isinstance(mamba_tree, HiRadixCache) and len(vars(mamba_tree)) < 30, sorted(vars(mamba_tree))
+    node = TreeNode()
+    assert not hasattr(node, "__dict__")
+    before = node.stamp
+    node.value = torch.tensor([1, 2])  # a stamped write still moves the stamp
+    assert node.stamp > before and node._value is node.value
+    with pytest.raises(AttributeError):
+        node.something_else = 1
+    h.cache_controller.close()
+    mamba_tree.cache_controller.close()
 
 
 def test_free_catches_a_page_named_twice_in_any_order():
