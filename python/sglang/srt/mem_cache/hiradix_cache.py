@@ -135,16 +135,16 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def _match_result(self, path: list[TreeNode]) -> MatchResult:
         values = []
         for n in path:
-            v = n.value
+            v = n._value
             if v is None:
                 break
             values.append(v)
         k = len(values)
         host_len = 0
         for n in path[k:]:
-            if n.host_value is None:
+            if n._host_value is None:
                 raise CacheIntegrityError("a node with neither a device nor a host copy is in the tree")
-            host_len += len(n.key)
+            host_len += len(n._key.ids)
         device = torch.cat(values) if k else empty_indices()
         last_device = path[k - 1] if k else self.root_node
         last_host = path[-1] if path else self.root_node
@@ -174,7 +174,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         due = []
         for node, _ in touched:
             node.hit_count += 1
-            if node.host_value is None and node.hit_count >= threshold and node.id not in self._due_backups:
+            if node._host_value is None and node.hit_count >= threshold and node.id not in self._due_backups:
                 due.append(node)
         if not due:
             return
@@ -195,7 +195,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         nodes, self._due_backups = list(self._due_backups.values()), {}
         due, ids = [], set()
         for node in nodes:
-            if node.value is not None and node.host_value is None:  # on device, not backed up
+            if node._value is not None and node._host_value is None:  # on device, not backed up
                 due.append(node)
                 ids.add(node.id)
             else:
@@ -234,21 +234,21 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def _backup_need(self, nodes: list[TreeNode]) -> dict[PoolName, int]:
         tokens = 0
         for n in nodes:  # len(key.ids): numpy's length, no RadixKey.__len__ frame (per step)
-            tokens += len(n.key.ids)
+            tokens += len(n._key.ids)
         return {self.KV: tokens}
 
     def _assign_host(self, nodes: list[TreeNode], host: dict[PoolName, torch.Tensor]) -> list[L2Transfer]:
         """Give ``nodes`` their host slots (in order); the transfers that fill them."""
         slots, off = host[self.KV], 0
         for n in nodes:  # views of the fresh allocation: nothing writes slot lists in place
-            k = len(n.key.ids)
+            k = len(n._key.ids)
             n.host_value = slots[off : off + k]
             off += k
         if len(nodes) == 1:
-            return [L2Transfer(self.KV, slots, nodes[0].value)]
+            return [L2Transfer(self.KV, slots, nodes[0]._value)]
         values = []
         for n in nodes:  # a loop, not a comprehension: no extra frame (once a step)
-            values.append(n.value)
+            values.append(n._value)
         return [L2Transfer(self.KV, slots, torch.cat(values))]
 
     def _write_backup_nodes(self, nodes: list[TreeNode], locked: set[int] | frozenset = frozenset()) -> int:
@@ -265,7 +265,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             if n.id not in locked:
                 self._lock_path(n)
             self.ongoing_write_through[n.id] = n
-            self._write_tokens[n.id] = k = len(n.key.ids)
+            self._write_tokens[n.id] = k = len(n._key.ids)
             tokens += k
         self.cache_controller.write(transfers, [n.id for n in nodes])
         return tokens

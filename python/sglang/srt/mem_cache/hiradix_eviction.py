@@ -175,7 +175,7 @@ class TierEvictionMixin:
         return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in by_pool.items()}
 
     def _evict_device_node(self, node: TreeNode) -> dict[PoolName, int]:
-        if node.host_value is not None:  # backuped
+        if node._host_value is not None:  # backuped
             return self._release_device_copy(node, deferred=False)
         if self.write_policy is WritePolicy.WRITE_BACK and self._write_back(node):
             return self._release_device_copy(node, deferred=True)
@@ -193,7 +193,7 @@ class TierEvictionMixin:
         else:
             slots = self._device_slots(node)
             self._clear_device(node)
-        self.evictable_size_ -= len(node.key.ids)
+        self.evictable_size_ -= len(node._key.ids)
         parent = node.parent
         parent.device_children -= 1
         if not parent.device_children and parent is not self.root_node:
@@ -274,7 +274,7 @@ class TierEvictionMixin:
         self._host_leaves.pop(node.id, None)
         self._device_candidates.pop(node.id, None)
         parent = node.parent
-        if parent is not self.root_node and parent.value is None and not parent.children:
+        if parent is not self.root_node and parent._value is None and not parent.children:
             self._add_host_leaf(parent)
 
     def _compact_host_heap(self) -> None:
@@ -308,7 +308,7 @@ class TierEvictionMixin:
                 key, node = heapq.heappop(heap)
                 if leaves.get(node.id) is not node:
                     continue  # left the tree, or a duplicate entry of one evicted already
-                if node.value is not None or node.children:
+                if node._value is not None or node.children:
                     del leaves[node.id]  # loaded back or given a child: comes back when a leaf again
                     continue
                 if node.host_ref_counter:

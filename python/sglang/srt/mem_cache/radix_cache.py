@@ -302,7 +302,7 @@ class RadixCache(RequestCacheMixin):
         root, delta = self.root_node, 0
         while node is not root:
             if node.lock_ref == 0:
-                n = node.value.numel()  # Tensor.__len__ is a Python call
+                n = node._value.numel()  # Tensor.__len__ is a Python call
                 self.evictable_size_ -= n
                 self.protected_size_ += n
                 delta -= n
@@ -329,7 +329,7 @@ class RadixCache(RequestCacheMixin):
         while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                n = node.value.numel()
+                n = node._value.numel()
                 self.evictable_size_ += n
                 self.protected_size_ -= n
                 delta += n

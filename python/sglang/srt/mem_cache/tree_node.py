@@ -40,6 +40,8 @@ def _stamped(name: str) -> property:
 
     # The getter is a C callable: reads (several per node on every tree walk, most of them in
     # HiCache's per-step paths) then run no Python frame; only writes move the stamp (issue 9).
+    # A read through the property is still a descriptor call that the interpreter cannot
+    # specialize (3.11), so the per-step loops of the trees read the slot itself (``_value``).
     return property(operator.attrgetter(slot), set)
 
 
