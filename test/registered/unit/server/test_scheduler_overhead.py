@@ -53,6 +53,21 @@ def test_bench_runs_at_a_tiny_size(model, tmp_path, capsys):
     assert on["finished"] > 0 and off["finished"] > 0
 
 
+def test_instruction_bench_runs_its_counted_workload_in_both_modes(model, monkeypatch):
+    """bench_step_instructions' child (what valgrind runs) drives the same workload, off and on;
+    the valgrind wrapper itself needs valgrind, which CI machines do not have."""
+    from sglang.srt.mem_cache import transfer_lane
+
+    monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", transfer_lane.INLINE_MAX_S)  # the child raises it
+    spec = importlib.util.spec_from_file_location("bench_step_instructions", BENCH.with_name("bench_step_instructions.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for mode in ("off", "on"):
+        assert module.main(["--child", mode, "--model-dir", model, "--waiting", "3", "--prompt-len", "64",
+                            "--steps", "8", "--warmup", "2"]) == {}
+    assert transfer_lane.INLINE_MAX_S == 1.0  # the counted run keeps a native run's inline copy path
+
+
 def test_step_waits_for_host_writes_holding_the_memory(model):
     sched = make_scheduler(model, page_size=4, max_total_tokens=64, enable_hierarchical_cache=True,
                            hicache_ratio=4)
