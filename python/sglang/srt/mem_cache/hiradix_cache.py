@@ -434,7 +434,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def _check_device_children(self, node: TreeNode) -> None:
         on_device = sum(1 for c in node.children.values() if not c.evicted)
         if node.device_children != on_device:
-            raise CacheIntegrityError(f"node {node.id} counts {node.device_children} children on device, has {on_device}")
+            raise CacheIntegrityError(
+                f"node {node.id} counts {node.device_children} children on device, has {on_device}")
         if not node.evicted and not on_device and node is not self.root_node \
                 and self._device_candidates.get(node.id) is not node:
             raise CacheIntegrityError(f"node {node.id} is a device leaf missing from the device eviction candidates")
@@ -445,7 +446,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
                 raise CacheIntegrityError(f"node {nid} left the tree but is still a host eviction candidate")
         for nid, node in self._device_candidates.items():
             if not node.evicted and not self._is_attached(node):
-                raise CacheIntegrityError(f"node {nid} left the tree with its device copy but is still a device eviction candidate")
+                raise CacheIntegrityError(
+                    f"node {nid} left the tree with its device copy but is still a device eviction candidate")
 
     def check_integrity(self, request_device_indices=(), check_hashes: bool = True, request_host_indices=()) -> None:
         """RadixCache.check_integrity plus the host tier: every host slot is free, in the tree,

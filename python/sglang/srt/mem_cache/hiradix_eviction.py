@@ -10,11 +10,13 @@ policy order: a backed-up node keeps its host copy, others are written back firs
 ``_device_candidates`` (node id -> node), a superset kept up to date where a node can become
 one (the deepest node of an insert, a load-back's last node, a parent whose last device child
 left) and pruned lazily; each node counts its children on device (``device_children``), so
-neither the pick nor the leaf test reads a node's children. Host eviction drops host-only leaves nobody pins (``protect_host``),
-deleting them from the tree; it reads them from ``_host_leaves`` (node id -> node), a superset
-kept up to date wherever a node can become one (its device copy released while childless, a
-new host leaf, a deleted child: ``_add_host_leaf``) and pruned lazily, so it never walks the
-whole tree. ``_host_heap`` orders them across calls: each addition pushes (priority, node), and
+neither the pick nor the leaf test reads a node's children.
+
+Host eviction drops host-only leaves nobody pins (``protect_host``), deleting them from the
+tree; it reads them from ``_host_leaves`` (node id -> node), a superset kept up to date
+wherever a node can become one (its device copy released while childless, a new host leaf, a
+deleted child: ``_add_host_leaf``) and pruned lazily, so it never walks the whole tree.
+``_host_heap`` orders them across calls: each addition pushes (priority, node), and
 a pop whose node is gone, no longer a leaf, pinned (kept aside, pushed back after) or whose
 priority moved since (priorities only grow: access time and count) is skipped or re-pushed, so
 an eviction costs O(evicted * log n) instead of rebuilding a heap of every host leaf per call.

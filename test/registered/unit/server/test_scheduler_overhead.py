@@ -59,7 +59,8 @@ def test_instruction_bench_runs_its_counted_workload_in_both_modes(model, monkey
     from sglang.srt.mem_cache import transfer_lane
 
     monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", transfer_lane.INLINE_MAX_S)  # the child raises it
-    spec = importlib.util.spec_from_file_location("bench_step_instructions", BENCH.with_name("bench_step_instructions.py"))
+    path = BENCH.with_name("bench_step_instructions.py")
+    spec = importlib.util.spec_from_file_location("bench_step_instructions", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for mode in ("off", "on"):
