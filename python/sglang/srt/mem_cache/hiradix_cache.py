@@ -440,7 +440,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
                 and self._device_candidates.get(node.id) is not node:
             raise CacheIntegrityError(f"node {node.id} is a device leaf missing from the device eviction candidates")
 
-    def _check_host_leaves(self) -> None:
+    def _check_eviction_candidates(self) -> None:
         for nid, node in self._host_leaves.items():
             if not self._is_attached(node):
                 raise CacheIntegrityError(f"node {nid} left the tree but is still a host eviction candidate")
@@ -455,7 +455,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         abandoned), or in ``request_host_indices``."""
         super().check_integrity(request_device_indices, check_hashes)
         self._check_device_children(self.root_node)
-        self._check_host_leaves()
+        self._check_eviction_candidates()
         for nid, node in {**self.ongoing_write_through, **self.ongoing_load_back}.items():
             if not self._is_attached(node) or node.evicted or node.lock_ref == 0:
                 raise CacheIntegrityError(f"node {nid} has a transfer in flight but is gone, evicted or unlocked")
