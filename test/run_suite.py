@@ -3,9 +3,13 @@
     python test/run_suite.py --hw cpu --suite per-commit-cpu [--list] [--timeout-per-file S]
 
 Registrations are read with ``ast`` from every ``test_*.py`` under ``test/registered/``; each
-such file must make exactly one top-level ``register_cpu_ci`` / ``register_cuda_ci`` call (or
-one of each) with literal arguments. Each selected file runs in its own pytest process; the run
-ends with a pytest-style summary line and a non-zero exit status when anything failed.
+such file must make at least one top-level ``register_*_ci`` call with literal keyword arguments,
+at most one per hardware we run (cpu, cuda). Upstream-style registrations (``stage=`` +
+``runner_config=``, upstream suite names, ``nightly=``, ``register_amd_ci`` and the other
+hardware's markers) are read as ``sglang.test.ci.ci_register`` documents: upstream suite names
+map onto ours or are refused with the accepted names, and other hardware is never selected.
+Each selected file runs in its own pytest process; the run ends with a pytest-style summary
+line and a non-zero exit status when anything failed.
 
 Each file gets ``SGLANG_TEST_DEVICE`` = the --hw value, and on cpu ``TRITON_INTERPRET=1``.
 
@@ -42,7 +46,13 @@ from xml.etree import ElementTree
 ROOT = Path(__file__).resolve().parent
 REGISTERED = ROOT / "registered"
 sys.path.insert(0, str(ROOT.parent / "python"))
-from sglang.test.ci.ci_register import REGISTER_FUNCS, SUITES_BY_HW  # noqa: E402
+from sglang.test.ci.ci_register import (  # noqa: E402
+    MARKER_KEYWORDS,
+    NIGHTLY_SUITES,
+    REGISTER_FUNCS,
+    SUITES_BY_HW,
+    UPSTREAM_SUITES,
+)
 
 
 @dataclass(frozen=True)
@@ -58,22 +68,60 @@ class RegistrationError(ValueError):
     pass
 
 
+# keyword -> accepted literal type; the others are strings. None is accepted but for est_time.
+_KEYWORD_TYPES = {"est_time": (int, float), "nightly": bool}
+
+
 def _literal_kwargs(call: ast.Call, path: Path) -> dict:
+    name = call.func.id
     if call.args:
-        raise RegistrationError(f"{path}: {call.func.id}() takes keyword arguments only")
+        raise RegistrationError(f"{path}: {name}() takes keyword arguments only")
     out = {}
     for kw in call.keywords:
-        try:
-            out[kw.arg] = ast.literal_eval(kw.value)
-        except ValueError:
+        if kw.arg not in MARKER_KEYWORDS:  # None for **kwargs
             raise RegistrationError(
-                f"{path}: argument {kw.arg!r} of {call.func.id}() must be a literal"
-            ) from None
+                f"{path}: unknown argument {kw.arg!r} of {name}(); known: {', '.join(MARKER_KEYWORDS)}"
+            )
+        try:
+            value = ast.literal_eval(kw.value)
+        except ValueError:
+            raise RegistrationError(f"{path}: argument {kw.arg!r} of {name}() must be a literal") from None
+        expected = _KEYWORD_TYPES.get(kw.arg, str)
+        if not isinstance(value, expected) and not (value is None and kw.arg != "est_time"):
+            raise RegistrationError(f"{path}: argument {kw.arg!r} of {name}() has the wrong type: {value!r}")
+        out[kw.arg] = value
     return out
 
 
+def _suite_name(kwargs: dict, path: Path, name: str) -> str:
+    """The registered suite: ``suite=``, or upstream's ``stage=`` + ``runner_config=`` pair."""
+    pair = [kwargs.get(k) is not None for k in ("stage", "runner_config")]
+    if kwargs.get("suite") is not None and not any(pair):
+        return kwargs["suite"]
+    if all(pair) and kwargs.get("suite") is None:
+        return f"{kwargs['stage']}-test-{kwargs['runner_config']}"
+    raise RegistrationError(
+        f"{path}: {name}() needs either suite= or both of stage= and runner_config= (upstream's pair)"
+    )
+
+
+def _our_suite(hw: str, suite: str, nightly: bool, path: Path) -> str:
+    """Map a registered suite onto ours (ci_register.UPSTREAM_SUITES); refuse what has no match."""
+    ours = UPSTREAM_SUITES[hw].get(suite)
+    if ours is None:
+        upstream = sorted(set(UPSTREAM_SUITES[hw]) - set(SUITES_BY_HW[hw]))
+        raise RegistrationError(
+            f"{path}: unknown {hw} suite {suite!r}; known: {', '.join(SUITES_BY_HW[hw])} "
+            f"(upstream names accepted: {', '.join(upstream)})"
+        )
+    if nightly and ours not in NIGHTLY_SUITES:
+        raise RegistrationError(f"{path}: nightly=True but {hw} suite {suite!r} is per-commit here ({ours})")
+    return ours
+
+
 def read_registrations(path: Path) -> list[Registration]:
-    """Parse one test file and return its registrations (top-level calls only)."""
+    """Parse one test file and return its registrations (top-level calls only), ours and
+    other hardware's alike; a suite is mapped onto ours (see ``sglang.test.ci.ci_register``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     regs = []
     for stmt in tree.body:
@@ -82,18 +130,15 @@ def read_registrations(path: Path) -> list[Registration]:
         call = stmt.value
         if not (isinstance(call.func, ast.Name) and call.func.id in REGISTER_FUNCS):
             continue
-        hw = REGISTER_FUNCS[call.func.id]
+        name, hw = call.func.id, REGISTER_FUNCS[call.func.id]
         kwargs = _literal_kwargs(call, path)
-        for key in ("est_time", "suite"):
-            if key not in kwargs:
-                raise RegistrationError(f"{path}: {call.func.id}() needs {key}=")
-        suite = kwargs["suite"]
-        if suite not in SUITES_BY_HW[hw]:
-            raise RegistrationError(
-                f"{path}: unknown {hw} suite {suite!r}; known: {', '.join(SUITES_BY_HW[hw])}"
-            )
+        if "est_time" not in kwargs:
+            raise RegistrationError(f"{path}: {name}() needs est_time=")
+        suite = _suite_name(kwargs, path, name)
+        if hw in SUITES_BY_HW:
+            suite = _our_suite(hw, suite, bool(kwargs.get("nightly")), path)
         regs.append(Registration(path, hw, suite, float(kwargs["est_time"]), kwargs.get("disabled")))
-    hws = [r.hw for r in regs]
+    hws = [r.hw for r in regs if r.hw in SUITES_BY_HW]
     if len(hws) != len(set(hws)):
         raise RegistrationError(f"{path}: more than one registration for the same hardware")
     return regs
