@@ -231,7 +231,7 @@ def write_weights(out: str, config: dict, seed: int, dtype: str, shards: int) ->
 
     from sglang.srt.model_executor.model_config import ModelConfig
     from sglang.srt.model_executor.weight_utils import dummy_weights_iterator
-    from sglang.srt.models.registry import get_model_class
+    from sglang.srt.model_executor.model_registry import get_model_class
 
     mc = ModelConfig.from_dict(config, out)
     shapes = get_model_class(mc.architecture).hf_weight_shapes(mc.hf_config)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sglang.srt.mem_cache.kvcacheio import direct  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.transfer_lane import ThreadLane  # noqa: E402
+from sglang.srt.mem_cache.controller.transfer_lane import ThreadLane  # noqa: E402
 from sglang.test.kv_pools import make_host_pool  # noqa: E402
 
 SHAPES = {  # name -> (kv heads, head dim, dtype): bytes per (page of 16, layer) per K or V

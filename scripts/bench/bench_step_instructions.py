@@ -46,7 +46,7 @@ def child(args) -> None:
     import torch
 
     import bench_scheduler_overhead as b
-    from sglang.srt.mem_cache import transfer_lane
+    from sglang.srt.mem_cache.controller import transfer_lane
 
     torch.set_num_threads(1)
     transfer_lane.INLINE_MAX_S = 1.0  # valgrind slows jobs ~50x: keep the path a native run takes

@@ -59,7 +59,7 @@ import torch
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
+from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import native_io
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY, PrefetchPolicy, WritePolicy
+from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY, PrefetchPolicy, WritePolicy
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class ServerArgs:
 
     def check_model(self) -> None:
         """Fail fast, naming --model-path, when the directory cannot hold a supported model."""
-        from sglang.srt.models.registry import resolve_architecture
+        from sglang.srt.model_executor.model_registry import resolve_architecture
 
         path = self.model_path
         if not os.path.isdir(path):

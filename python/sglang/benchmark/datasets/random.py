@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sglang.benchmark.datasets import DatasetRow
+from sglang.benchmark.datasets.common import DatasetRow
 
 
 def _lengths(length: int, range_ratio: float, num: int, minimum: int) -> list[int]:

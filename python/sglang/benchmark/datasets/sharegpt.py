@@ -7,7 +7,7 @@ import logging
 import os
 import random
 
-from sglang.benchmark.datasets import DatasetRow
+from sglang.benchmark.datasets.common import DatasetRow
 
 logger = logging.getLogger(__name__)
 

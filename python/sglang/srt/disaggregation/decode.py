@@ -25,11 +25,11 @@ import logging
 import time
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.scheduler_glue import DisaggBase
+from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
 from sglang.srt.disaggregation.utils import agreed_polls, page_ids_of
 from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
-from sglang.srt.mem_cache.tree_node import empty_indices
+from sglang.srt.mem_cache.radix.tree_node import empty_indices
 
 logger = logging.getLogger(__name__)
 

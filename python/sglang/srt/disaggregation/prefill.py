@@ -19,7 +19,7 @@ import dataclasses
 import logging
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.scheduler_glue import DisaggBase
+from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
 from sglang.srt.disaggregation.utils import advertised_host, agreed_polls, page_ids_of
 from sglang.srt.managers.schedule_batch import FinishReason, Req
 

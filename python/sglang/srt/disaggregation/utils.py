@@ -18,10 +18,10 @@ import socket
 import torch
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, TransferConfig
+from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 
 logger = logging.getLogger(__name__)
 
-TOP_LOGPROBS_MAX = 20  # OpenAI's (and upstream's) limit on top logprobs per token
 
 # Upstream's environment variables (seconds), read once per server start.
 ENV_BOOTSTRAP_TIMEOUT = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"

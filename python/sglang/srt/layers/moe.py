@@ -251,14 +251,20 @@ class DeepseekMoE(SparseMoE):
                          config.moe_intermediate_size * shared)
 
 
+def gated_mlp_shapes(prefix: str, hidden: int, inter: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """``{prefix}{gate,up,down}_proj.weight`` (and ``.bias``) of a gated MLP, full shapes."""
+    shapes = {}
+    for name, shape in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
+        shapes[f"{prefix}{name}.weight"] = shape
+        if bias:
+            shapes[f"{prefix}{name}.bias"] = shape[:1]
+    return shapes
+
+
 def moe_weight_shapes(prefix: str, hidden: int, num_experts: int, intermediate_size: int, *,
                       correction_bias: bool = False, shared_name: str = "shared_experts",
                       shared_intermediate_size: int = 0, shared_gate: bool = False) -> dict[str, tuple[int, ...]]:
     """The HF tensors of a ``SparseMoE`` at ``prefix`` (e.g. ``model.layers.3.mlp.``), full shapes."""
-    from sglang.srt.models.llama import (
-        gated_mlp_shapes,  # (models import layers, not the reverse, at load)
-    )
-
     shapes = {f"{prefix}gate.weight": (num_experts, hidden)}
     if correction_bias:
         shapes[f"{prefix}gate.e_score_correction_bias"] = (num_experts,)

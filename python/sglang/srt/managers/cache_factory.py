@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.distributed import get_tp_group
-from sglang.srt.mem_cache.cache_controller import HiCacheController
+from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     ANCHOR_HOST_CLASSES,
     build_dsv4_stack,
-    build_kv_dsa_stack,
-    build_kv_mamba_stack,
+    build_nsa_hybrid_stack,
+    build_mamba_hybrid_stack,
 )
 from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 # Side pool kind -> builder of the hybrid stack around it (HostPoolGroup + controller + tree).
 HYBRID_STACK_BUILDERS = {
-    PoolKind.DSA_INDEXER: build_kv_dsa_stack,
+    PoolKind.DSA_INDEXER: build_nsa_hybrid_stack,
     PoolKind.DSV4_STATE: build_dsv4_stack,
-    PoolKind.MAMBA: build_kv_mamba_stack,
+    PoolKind.MAMBA: build_mamba_hybrid_stack,
 }
 
 

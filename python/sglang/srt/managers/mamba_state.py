@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.radix_key import RadixKey
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.radix_key import RadixKey
 
 
 class MambaStateSlots:

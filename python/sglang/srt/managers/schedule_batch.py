@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from sglang.srt.managers.io_struct import CacheTier, ReqOutput, TokenizedGenerateReqInput, empty_tier_counts
-from sglang.srt.mem_cache.radix_key import RadixKey, as_token_array
-from sglang.srt.mem_cache.tree_node import empty_indices
+from sglang.srt.mem_cache.radix.radix_key import RadixKey, as_token_array
+from sglang.srt.mem_cache.radix.tree_node import empty_indices
 
 
 class FinishReason(str, Enum):

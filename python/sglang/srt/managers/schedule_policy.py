@@ -32,8 +32,8 @@ import torch
 
 from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.managers.schedule_batch import Req, num_pages
-from sglang.srt.mem_cache.match_reuse import match_prefix_reusing
-from sglang.srt.mem_cache.tree_node import MatchResult
+from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
+from sglang.srt.mem_cache.radix.tree_node import MatchResult
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from collections import deque
 
 import torch
 
-from sglang.srt.disaggregation.scheduler_glue import build_disaggregation
 from sglang.srt.distributed import tensor_model_parallel_cpu_gather_objects
 from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
 from sglang.srt.managers.io_struct import (
@@ -35,9 +34,9 @@ from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder, Waiting
 from sglang.srt.managers.scheduler_stats import SchedulerStats
 from sglang.srt.managers.storage_admin import ADMIN_KINDS, handle_storage_admin
 from sglang.srt.managers.token_slots import TokenSlotAllocator
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.storage_ops import HiCacheFlushIncomplete
+from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
@@ -59,7 +58,15 @@ def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -
 
 
 class Scheduler:
-    def __init__(self, server_args, tp_rank: int = 0, dist_init_method: str | None = None):
+    def __init__(self, server_args, tp_rank: int = 0, dist_init_method: str | None = None,
+                 disagg_factory=None):
+        """``disagg_factory(scheduler)`` builds the PD helper of a ``--disaggregation-mode``
+        server (the engine passes ``disaggregation.scheduler_glue.build_disaggregation``); this
+        package does not import the disaggregation one, which sits above it."""
+        mode = getattr(server_args, "disaggregation_mode", "null")
+        if mode != "null" and disagg_factory is None:
+            raise ValueError(f"--disaggregation-mode {mode} needs a disagg_factory "
+                             "(sglang.srt.disaggregation.scheduler_glue.build_disaggregation)")
         self.args = server_args
         self.runner = ModelRunner(runner_config(server_args, tp_rank, dist_init_method))
         self.page_size = server_args.page_size
@@ -81,7 +88,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._outputs: list[ReqOutput] = []
         self._idle_checked = True
-        self.disagg = build_disaggregation(self)  # PD queues and transfers; None in null mode
+        # PD queues and transfers; None in null mode
+        self.disagg = disagg_factory(self) if disagg_factory is not None else None
 
     def server_info(self) -> dict:
         return {

@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass
 
 from sglang.srt.managers.io_struct import ControlKind, ControlOutput, ControlReq
-from sglang.srt.mem_cache.hicache_config import PrefetchPolicy, WritePolicy
-from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg
+from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy, WritePolicy
+from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 
 logger = logging.getLogger(__name__)
 

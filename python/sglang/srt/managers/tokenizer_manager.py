@@ -29,6 +29,7 @@ from sglang.srt.managers.io_struct import (
     empty_tier_counts,
 )
 from sglang.srt.metrics.collector import RequestMetrics
+from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 from sglang.srt.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -177,8 +178,6 @@ class TokenizerManager:
         if missing:
             raise BadRequestError(f"this server runs --disaggregation-mode {mode}: requests need "
                                   f"{' and '.join(missing)} (send them through sglang-router --pd-disaggregation)")
-        from sglang.srt.disaggregation.utils import TOP_LOGPROBS_MAX
-
         if obj.top_logprobs_num > TOP_LOGPROBS_MAX:
             raise BadRequestError(f"top_logprobs_num={obj.top_logprobs_num}: PD serving carries at most "
                                   f"{TOP_LOGPROBS_MAX} top logprobs of the first token from prefill to decode")

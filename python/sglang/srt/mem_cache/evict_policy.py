@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from sglang.srt.choice_enum import ChoiceEnum
-from sglang.srt.mem_cache.tree_node import TreeNode
+from sglang.srt.mem_cache.radix.tree_node import TreeNode
 
 
 class EvictionPolicy(ChoiceEnum):

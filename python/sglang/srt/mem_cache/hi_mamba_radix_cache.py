@@ -22,13 +22,13 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.cache_controller import L2Transfer, Tier
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition
-from sglang.srt.mem_cache.hi_mamba_storage import MambaStorageMixin
-from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY
+from sglang.srt.managers.cache_controller import L2Transfer, Tier
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.hiradix.mamba_storage import MambaStorageMixin
+from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
 from sglang.srt.mem_cache.utils import as_cpu_index
 
 logger = logging.getLogger(__name__)

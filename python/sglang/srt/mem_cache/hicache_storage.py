@@ -21,8 +21,9 @@ from typing import Any, Sequence
 import torch
 
 from sglang.srt.mem_cache.cache_init_params import check_parallel_coords
+from sglang.srt.mem_cache.memory_pool.base import SHARD_MODE, ShardMode
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg
+from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg
 
 __all__ = [
     "HiCacheStorage",
@@ -144,8 +145,6 @@ class HiCacheStorageConfig:
     def from_cache_params(cls, params, host_pool, model_name: str, extra_config: str | dict | None = None):
         """The config of this rank: parallel coordinates from ``params`` (a CacheInitParams), the
         page format from ``host_pool`` (a host pool or a HostPoolGroup: its anchor)."""
-        from sglang.srt.mem_cache.storage_keys import SHARD_MODE, ShardMode
-
         anchor = getattr(host_pool, "anchor_pool", host_pool)
         extra = parse_extra_config_arg(extra_config, "extra_config")
         salt = extra.get("namespace_salt", "")

@@ -28,17 +28,17 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.cache_controller import HiCacheController, L2Transfer, Tier
+from sglang.srt.managers.cache_controller import HiCacheController, L2Transfer, Tier
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition
-from sglang.srt.mem_cache.hicache_config import DEFAULT_PREFETCH_POLICY
-from sglang.srt.mem_cache.hiradix_eviction import TierEvictionMixin
-from sglang.srt.mem_cache.hiradix_storage import StorageTreeMixin
-from sglang.srt.mem_cache.page_hash import page_hashes
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY
+from sglang.srt.mem_cache.hiradix.eviction import TierEvictionMixin
+from sglang.srt.mem_cache.hiradix.storage_side import StorageTreeMixin
+from sglang.srt.mem_cache.radix.page_hash import page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixCache
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
-from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
 
 logger = logging.getLogger(__name__)
 

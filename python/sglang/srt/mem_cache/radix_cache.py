@@ -23,12 +23,12 @@ from typing import Iterable, Iterator
 import torch
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
 from sglang.srt.mem_cache.evict_policy import EvictionPolicy, eviction_priority
-from sglang.srt.mem_cache.page_hash import page_hashes
-from sglang.srt.mem_cache.radix_key import common_prefix_len
-from sglang.srt.mem_cache.radix_requests import RequestCacheMixin
-from sglang.srt.mem_cache.tree_node import MatchResult, RadixKey, TreeNode, empty_indices, new_stamp
+from sglang.srt.mem_cache.radix.page_hash import page_hashes
+from sglang.srt.mem_cache.radix.radix_key import common_prefix_len
+from sglang.srt.mem_cache.radix.requests import RequestCacheMixin
+from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices, new_stamp
 from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang.srt.models.registry import get_model_class, resolve_architecture
+from sglang.srt.model_executor.model_registry import get_model_class, resolve_architecture
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

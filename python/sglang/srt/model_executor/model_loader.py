@@ -15,7 +15,7 @@ from sglang.srt.model_executor.weight_utils import (
     safetensors_files,
     safetensors_weights_iterator,
 )
-from sglang.srt.models.registry import get_model_class
+from sglang.srt.model_executor.model_registry import get_model_class
 
 logger = logging.getLogger(__name__)
 

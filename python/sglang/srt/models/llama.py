@@ -1,7 +1,7 @@
 """Llama (GQA, optional attention/MLP bias, tied embeddings) with HF weight names, and the pieces the
 other decoder-only models here share: the pre-norm residual block (``PreNormDecoderLayer``), the
 embed -> layers -> norm stack (``DecoderModel``), the LM-head / logits / weight-loading shell
-(``CausalLM``) and the HF weight-shape helpers (``gated_mlp_shapes``, ``mlp_and_norm_shapes``)."""
+(``CausalLM``) and the HF weight-shape helper ``mlp_and_norm_shapes`` (``gated_mlp_shapes`` is in ``layers/moe.py``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe import gated_mlp_shapes
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.layers.vocab_parallel_embedding import (
@@ -171,16 +172,6 @@ def mlp_and_norm_shapes(prefix: str, hidden: int, inter: int, moe: dict | None =
     shapes = dict(moe) if moe is not None else gated_mlp_shapes(f"{prefix}mlp.", hidden, inter, bias)
     shapes[f"{prefix}input_layernorm.weight"] = (hidden,)
     shapes[f"{prefix}post_attention_layernorm.weight"] = (hidden,)
-    return shapes
-
-
-def gated_mlp_shapes(prefix: str, hidden: int, inter: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
-    """``{prefix}{gate,up,down}_proj.weight`` (and ``.bias``) of a gated MLP, full shapes."""
-    shapes = {}
-    for name, shape in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}.items():
-        shapes[f"{prefix}{name}.weight"] = shape
-        if bias:
-            shapes[f"{prefix}{name}.bias"] = shape[:1]
     return shapes
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+TOP_LOGPROBS_MAX = 20  # OpenAI's (and upstream's) limit on top logprobs per token
+
 # upstream key -> (the value we can serve, why any other value cannot be served)
 UPSTREAM_ONLY = {
     "stop_regex": (None, "regular-expression stops are not implemented"),

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_controller import CacheOperation, HiCacheController, L2Transfer, Tier
+from sglang.srt.managers.cache_controller import CacheOperation, HiCacheController, L2Transfer, Tier
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError, ThreadLane
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError, ThreadLane
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

@@ -13,8 +13,8 @@ import torch  # noqa: E402
 from tree_fixtures import assert_kv, expected_kv, make_hicache, start_request  # noqa: E402
 
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.transfer_lane import StreamLane  # noqa: E402
-from sglang.srt.mem_cache.tree_node import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.controller.transfer_lane import StreamLane  # noqa: E402
+from sglang.srt.mem_cache.radix.tree_node import RadixKey  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 register_cuda_ci(est_time=40, suite="per-commit-1-gpu")

@@ -7,7 +7,7 @@ import pytest
 from tree_fixtures import STACKS, make_hicache
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.test.ci.ci_register import register_cpu_ci
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from tree_fixtures import fill_random, kv_mamba_stack, snapshot
 
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

@@ -14,7 +14,7 @@ from tree_fixtures import mamba_l3_filled as filled
 from tree_fixtures import snapshot
 
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=6, suite="per-commit-cpu")

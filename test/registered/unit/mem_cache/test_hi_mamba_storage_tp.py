@@ -20,7 +20,7 @@ import pytest
 import torch
 from tree_fixtures import MAMBA_A, MAMBA_AB, mamba_l3_filled, snapshot
 
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.multiprocess import run_ranks
 

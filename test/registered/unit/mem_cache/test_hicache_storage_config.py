@@ -7,8 +7,8 @@ import json
 import pytest
 from tree_fixtures import make_hicache
 
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig, PrefetchPolicy
-from sglang.srt.mem_cache.storage_settings import StorageSettings, split_extra_config
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig, PrefetchPolicy
+from sglang.srt.mem_cache.controller.storage_settings import StorageSettings, split_extra_config
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

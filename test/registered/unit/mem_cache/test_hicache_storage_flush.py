@@ -13,11 +13,11 @@ import torch
 from storage_test_backends import scripted_extra
 from tree_fixtures import assert_kv, kv_mamba_stack, make_hicache, start_request
 
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.storage_ops import HiCacheFlushIncomplete, PrefetchState
-from sglang.srt.mem_cache.storage_settings import split_extra_config
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchState
+from sglang.srt.mem_cache.controller.storage_settings import split_extra_config
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")

@@ -15,9 +15,9 @@ import pytest
 from storage_test_backends import scripted_extra
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
-from sglang.srt.mem_cache.storage_ops import PrefetchState
-from sglang.srt.mem_cache.storage_settings import StorageSettings
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.controller.storage_ops import PrefetchState
+from sglang.srt.mem_cache.controller.storage_settings import StorageSettings
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=15, suite="per-commit-cpu")

@@ -21,11 +21,11 @@ import torch
 from storage_test_backends import scripted_extra
 from tree_fixtures import make_hicache, params_for, pattern_matches, start_request, write_pattern
 
-from sglang.srt.mem_cache.cache_controller import HiCacheController
+from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.multiprocess import run_ranks
 

@@ -4,9 +4,9 @@ the bytes checked, host eviction order, refusals, bad input and the leak check."
 import pytest
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
-from sglang.srt.mem_cache.cache_controller import HiCacheController
+from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

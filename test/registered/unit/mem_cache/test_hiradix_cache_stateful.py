@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
-from sglang.srt.mem_cache.match_reuse import match_prefix_reusing
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=10, suite="per-commit-cpu")

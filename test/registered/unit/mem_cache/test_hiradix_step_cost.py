@@ -14,12 +14,12 @@ import pytest
 import torch
 from tree_fixtures import kv_mamba_stack, make_hicache
 
-from sglang.srt.mem_cache import transfer_lane
+from sglang.srt.mem_cache.controller import transfer_lane
 from sglang.srt.mem_cache.allocator import PagedAllocator
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")

@@ -6,12 +6,12 @@ import pytest
 import torch
 from tree_fixtures import STACKS, fill_random, params_for, snapshot
 
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
-from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_dsa_stack
+from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_nsa_hybrid_stack
 from sglang.srt.mem_cache.memory_pool import DSAIndexerPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
@@ -84,10 +84,10 @@ def test_sidecar_layers_fewer_than_the_anchor_are_skipped_not_overrun():
 def test_builders_refuse_mismatched_pools():
     mla = MLATokenToKVPool(16, 2, torch.bfloat16, 4, 2, 2)
     with pytest.raises(ValueError, match="sidecar uses the anchor's slots"):
-        build_kv_dsa_stack(params_for(mla), DSAIndexerPool(8, 2, 4, 1), HiCacheConfig(io_backend="direct"))
+        build_nsa_hybrid_stack(params_for(mla), DSAIndexerPool(8, 2, 4, 1), HiCacheConfig(io_backend="direct"))
     mha = MHATokenToKVPool(16, 2, torch.float32, 1, 2, 2)
     with pytest.raises(ValueError, match="this stack needs one of"):
-        build_kv_dsa_stack(params_for(mha), DSAIndexerPool(16, 2, 4, 1))
+        build_nsa_hybrid_stack(params_for(mha), DSAIndexerPool(16, 2, 4, 1))
     stack = STACKS["kv_dsa"]()
     with pytest.raises(ValueError, match="anchor device pool is not the pool"):
         HybridCacheController(params_for(MLATokenToKVPool(16, 2, torch.bfloat16, 4, 2, 2)), stack.host_pool_group)

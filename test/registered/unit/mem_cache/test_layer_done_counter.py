@@ -7,10 +7,10 @@ import threading
 import pytest
 from tree_fixtures import expected_kv, make_hicache, start_request
 
-from sglang.srt.mem_cache.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter
+from sglang.srt.mem_cache.controller.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError, ThreadLane
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError, ThreadLane
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")

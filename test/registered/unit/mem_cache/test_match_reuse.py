@@ -4,8 +4,8 @@ and redone (with the fresh answer) after every change that could alter it."""
 import torch
 from tree_fixtures import make_hicache, make_radix
 
-from sglang.srt.mem_cache.match_reuse import match_prefix_reusing
-from sglang.srt.mem_cache.radix_key import RadixKey
+from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
+from sglang.srt.mem_cache.radix.radix_key import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")

@@ -6,10 +6,10 @@ import torch
 from tree_fixtures import assert_kv, held_pages, make_params, make_radix, start_request
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.radix_cache import RadixCache
-from sglang.srt.mem_cache.tree_node import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tree_fixtures import make_radix
 
-from sglang.srt.mem_cache.page_hash import hash_page, namespace_hash, page_hashes
-from sglang.srt.mem_cache.radix_key import RadixKey, as_token_array, common_prefix_len
+from sglang.srt.mem_cache.radix.page_hash import hash_page, namespace_hash, page_hashes
+from sglang.srt.mem_cache.radix.radix_key import RadixKey, as_token_array, common_prefix_len
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")

@@ -15,7 +15,7 @@ import pytest
 from tree_fixtures import make_hicache, start_request
 
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.multiprocess import run_ranks
 

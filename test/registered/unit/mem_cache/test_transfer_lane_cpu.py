@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from sglang.srt.mem_cache import transfer_lane
-from sglang.srt.mem_cache.transfer_lane import CpuEvent, HiCacheTransferError, ThreadLane
+from sglang.srt.mem_cache.controller import transfer_lane
+from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, HiCacheTransferError, ThreadLane
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=3, suite="per-commit-cpu")

@@ -16,10 +16,10 @@ require_cuda()
 import torch  # noqa: E402
 from tree_fixtures import make_hicache, start_request  # noqa: E402
 
-from sglang.srt.mem_cache.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter  # noqa: E402
+from sglang.srt.mem_cache.controller.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.transfer_lane import CudaEvent, HiCacheTransferError, StreamLane, make_lane  # noqa: E402
-from sglang.srt.mem_cache.tree_node import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.controller.transfer_lane import CudaEvent, HiCacheTransferError, StreamLane, make_lane  # noqa: E402
+from sglang.srt.mem_cache.radix.tree_node import RadixKey  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 
 register_cuda_ci(est_time=15, suite="per-commit-1-gpu")

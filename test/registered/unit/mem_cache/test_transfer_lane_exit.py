@@ -11,7 +11,7 @@ register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 SCRIPT = textwrap.dedent("""
     import sys, threading, torch
-    from sglang.srt.mem_cache.transfer_lane import ThreadLane
+    from sglang.srt.mem_cache.controller.transfer_lane import ThreadLane
     started = threading.Event()
     src, dst = torch.randn(2048, 2048), torch.empty(2048, 2048)
 

@@ -15,14 +15,14 @@ from typing import Sequence
 import torch
 
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_controller import HiCacheController
+from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     build_dsv4_stack,
-    build_kv_dsa_stack,
-    build_kv_mamba_stack,
+    build_nsa_hybrid_stack,
+    build_mamba_hybrid_stack,
 )
 from sglang.srt.mem_cache.memory_pool import (
     DeepSeekV4StatePool,
@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.memory_pool import (
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixCache
-from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 
@@ -196,13 +196,13 @@ def params_for(pool, **coords) -> CacheInitParams:
 def kv_mamba_stack(config: HiCacheConfig | None = None, mamba_slots: int = 4, **coords):
     kv = MHATokenToKVPool(HYBRID_SLOTS, HYBRID_PAGE, torch.float32, 1, 2, LAYERS)
     mamba = MambaPool(mamba_slots, [(2, 3)], (2, 2), LAYERS + 1, conv_dtype=torch.bfloat16)
-    return build_kv_mamba_stack(params_for(kv, **coords), mamba, config or HiCacheConfig(io_backend="direct"))
+    return build_mamba_hybrid_stack(params_for(kv, **coords), mamba, config or HiCacheConfig(io_backend="direct"))
 
 
 def kv_dsa_stack(config: HiCacheConfig | None = None, **coords):
     kv = MLATokenToKVPool(HYBRID_SLOTS, HYBRID_PAGE, torch.bfloat16, 4, 2, LAYERS)
     indexer = DSAIndexerPool(HYBRID_SLOTS, HYBRID_PAGE, 4, LAYERS - 1)
-    return build_kv_dsa_stack(params_for(kv, **coords), indexer, config or HiCacheConfig(io_backend="direct"))
+    return build_nsa_hybrid_stack(params_for(kv, **coords), indexer, config or HiCacheConfig(io_backend="direct"))
 
 
 def dsv4_stack(config: HiCacheConfig | None = None, **coords):

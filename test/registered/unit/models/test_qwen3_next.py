@@ -315,7 +315,7 @@ def test_scheduler_hicache_prefix_hits_resume_from_tree_states(model_path, refer
 
 @pytest.mark.parametrize("hicache", [False, True])
 def test_scheduler_integrity_catches_a_leaked_state_slot(model_path, hicache):
-    from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+    from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 
     flags = {"enable_hierarchical_cache": True, "page_size": 4} if hicache else {"disable_radix_cache": True}
     sched = _scheduler(model_path, **flags)
@@ -333,16 +333,16 @@ def test_radix_cache_without_hicache_is_refused(model_path):
 
 @pytest.mark.parametrize("backend", ["file", "nixl"])
 def test_hybrid_stack_on_model_pools_carries_cp_coords_and_keeps_pool_keys_apart(model_path, tmp_path, backend):
-    """build_kv_mamba_stack over this model's own pools (MHA anchor + MambaPool) at attention-CP
+    """build_mamba_hybrid_stack over this model's own pools (MHA anchor + MambaPool) at attention-CP
     rank 1 of 2: the controller and the L3 storage config carry exactly CacheInitParams'
     coordinates, every pool's key namespace says cp 1/2, and the KV and Mamba objects of one page
     hash never share a name."""
     if backend == "nixl":
         pytest.importorskip("nixl")
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
-    from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+    from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        build_kv_mamba_stack,
+        build_mamba_hybrid_stack,
     )
     from sglang.srt.mem_cache.pool_host.group import PoolName
 
@@ -352,7 +352,7 @@ def test_hybrid_stack_on_model_pools_carries_cp_coords_and_keeps_pool_keys_apart
                              req_to_token_pool=r.req_to_token_pool, **coords)
     cfg = HiCacheConfig(hicache_ratio=2, storage_backend=backend, model_name="tiny-qwen3-next",
                         storage_backend_extra_config={"storage_dir": str(tmp_path)})
-    stack = build_kv_mamba_stack(params, r.state_pool, cfg)
+    stack = build_mamba_hybrid_stack(params, r.state_pool, cfg)
     try:
         controller = stack.cache_controller
         assert controller.parallel_coords() == ParallelCoords(**coords)

@@ -10,7 +10,7 @@ import torch
 from scheduler_fixtures import Result, abort, drive, make_scheduler, prompts, request, run_each
 
 from sglang.srt.managers.io_struct import ControlKind, ControlReq
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 

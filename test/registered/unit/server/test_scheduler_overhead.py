@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from scheduler_fixtures import make_scheduler, prompts, request
 
-from sglang.srt.mem_cache.transfer_lane import CpuEvent
+from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
@@ -56,7 +56,7 @@ def test_bench_runs_at_a_tiny_size(model, tmp_path, capsys):
 def test_instruction_bench_runs_its_counted_workload_in_both_modes(model, monkeypatch):
     """bench_step_instructions' child (what valgrind runs) drives the same workload, off and on;
     the valgrind wrapper itself needs valgrind, which CI machines do not have."""
-    from sglang.srt.mem_cache import transfer_lane
+    from sglang.srt.mem_cache.controller import transfer_lane
 
     monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", transfer_lane.INLINE_MAX_S)  # the child raises it
     path = BENCH.with_name("bench_step_instructions.py")

@@ -183,7 +183,7 @@ def test_tokenizer_path_is_checked_instead_of_the_model_directory(tmp_path):
 def test_pass_prefix_keys_is_a_controller_key():
     parsed = args("--enable-hierarchical-cache", "--hicache-storage-backend", "file",
                   "--hicache-storage-backend-extra-config", '{"hicache_storage_pass_prefix_keys": true}')
-    from sglang.srt.mem_cache.storage_settings import split_extra_config
+    from sglang.srt.mem_cache.controller.storage_settings import split_extra_config
 
     settings, backend = split_extra_config(parsed.storage_extra_config)
     assert settings.hicache_storage_pass_prefix_keys is True and backend == {}

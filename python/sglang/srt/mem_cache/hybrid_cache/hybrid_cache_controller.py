@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.mem_cache.cache_controller import HiCacheController, PoolBinding
+from sglang.srt.managers.cache_controller import HiCacheController, PoolBinding
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolName
 

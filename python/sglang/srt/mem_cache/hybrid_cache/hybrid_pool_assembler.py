@@ -2,8 +2,8 @@
 
 One builder per stack:
 
-- ``build_kv_mamba_stack``: attention KV (anchor) + Mamba states (own slots) -> HiMambaRadixCache
-- ``build_kv_dsa_stack``: MLA KV (anchor) + DSA indexer keys (sidecar) -> HiRadixCache
+- ``build_mamba_hybrid_stack``: attention KV (anchor) + Mamba states (own slots) -> HiMambaRadixCache
+- ``build_nsa_hybrid_stack``: MLA KV (anchor) + DSA indexer keys (sidecar) -> HiRadixCache
 - ``build_dsv4_stack``: DeepSeek-V4 logical anchor (no bytes) + compressed state rows (sidecar)
 
 Every builder reads parallel coordinates from ``params`` (CacheInitParams) and nowhere else; it
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
 from sglang.srt.mem_cache.hi_mamba_radix_cache import HiMambaRadixCache
-from sglang.srt.mem_cache.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.memory_pool.base import KVCache, PoolKind
@@ -106,7 +106,7 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
     return HybridStack(params, group, controller, tree)
 
 
-def build_kv_dsa_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
+def build_nsa_hybrid_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """MLA KV anchor + DSA indexer sidecar (same slots, moved together)."""
     return _sidecar_stack(params, config, (PoolKind.MLA,), indexer_pool, PoolKind.DSA_INDEXER, PoolName.INDEXER,
                           DSAIndexerPoolHost)
@@ -118,7 +118,7 @@ def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig 
                           PoolName.DSV4_STATE, DeepSeekV4StateHostPool)
 
 
-def build_kv_mamba_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
+def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """Attention KV anchor + Mamba states (own slots, one per cached state) -> HiMambaRadixCache."""
     config = config or HiCacheConfig()
     anchor = _anchor_device(params, (PoolKind.MHA, PoolKind.MLA, PoolKind.ASYMMETRIC_MHA))

@@ -26,6 +26,25 @@ class PoolKind(str, Enum):
     DSV4_STATE = "dsv4_state"
 
 
+class ShardMode(str, Enum):
+    """Whether TP ranks hold the same bytes for a page (replicated) or different ones (sharded)."""
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+
+
+# Which pool kinds hold identical bytes on every TP rank. MLA's latent, the DSA indexer key and
+# the DeepSeek-V4 anchor/state are not split by heads; MHA heads and Mamba states are.
+SHARD_MODE = {
+    PoolKind.MHA: ShardMode.SHARDED,
+    PoolKind.ASYMMETRIC_MHA: ShardMode.SHARDED,
+    PoolKind.MAMBA: ShardMode.SHARDED,
+    PoolKind.MLA: ShardMode.REPLICATED,
+    PoolKind.DSA_INDEXER: ShardMode.REPLICATED,
+    PoolKind.DSV4_ANCHOR: ShardMode.REPLICATED,
+    PoolKind.DSV4_STATE: ShardMode.REPLICATED,
+}
+
 def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype the bytes are stored as: fp8 lives in uint8 so indexing works on every device."""
     if dtype.is_floating_point and dtype.itemsize == 1:

@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
 from sglang.srt.mem_cache.storage.stats import StorageStats
-from sglang.srt.mem_cache.storage_keys import StorageNamespace
+from sglang.srt.mem_cache.storage.keys import StorageNamespace
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage.page_views import PageViews
-from sglang.srt.mem_cache.storage_keys import (
+from sglang.srt.mem_cache.storage.keys import (
     GROUP_SEPARATOR,
     MARKER_TAG,
     KeyDeriver,

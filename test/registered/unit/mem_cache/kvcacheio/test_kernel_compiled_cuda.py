@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.kvcacheio import kernel  # noqa: E402
 from sglang.srt.mem_cache.kvcacheio.dispatch import KERNEL  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import PoolKind  # noqa: E402
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend  # noqa: E402
-from sglang.srt.mem_cache.transfer_lane import make_lane  # noqa: E402
+from sglang.srt.mem_cache.controller.transfer_lane import make_lane  # noqa: E402
 from sglang.test.ci.ci_register import register_cuda_ci  # noqa: E402
 from sglang.test.real_pools import (  # noqa: E402
     as_u8,

@@ -22,7 +22,7 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
     PoolKind,
 )
-from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
+from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.dsv4 import DeepSeekV4StateHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost

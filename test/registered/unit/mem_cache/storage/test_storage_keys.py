@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage.pool_codec import PoolCodec
-from sglang.srt.mem_cache.storage_keys import KeyDeriver, StorageNamespace, check_page_hash
+from sglang.srt.mem_cache.storage.keys import KeyDeriver, StorageNamespace, check_page_hash
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")

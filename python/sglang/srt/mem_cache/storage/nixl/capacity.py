@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 
 from sglang.srt.mem_cache.storage.posix_files import unlink_quiet
-from sglang.srt.mem_cache.storage_keys import GROUP_SEPARATOR
+from sglang.srt.mem_cache.storage.keys import GROUP_SEPARATOR
 
 logger = logging.getLogger(__name__)
 

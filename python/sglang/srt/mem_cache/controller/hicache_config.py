@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
-from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
+from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg, split_extra_config
 
 
 class WritePolicy(ChoiceEnum):

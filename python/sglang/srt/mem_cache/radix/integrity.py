@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.mem_cache.allocator import PagedAllocator
-from sglang.srt.mem_cache.page_hash import page_hashes
+from sglang.srt.mem_cache.radix.page_hash import page_hashes
 
 
 class CacheIntegrityError(RuntimeError):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sglang.srt.mem_cache.radix_key import RadixKey
-from sglang.srt.mem_cache.tree_node import MatchResult, TreeNode, new_stamp
+from sglang.srt.mem_cache.radix.radix_key import RadixKey
+from sglang.srt.mem_cache.radix.tree_node import MatchResult, TreeNode, new_stamp
 
 
 @dataclass

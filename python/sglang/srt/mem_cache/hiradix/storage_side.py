@@ -45,13 +45,13 @@ from collections import OrderedDict
 
 import torch
 
-from sglang.srt.mem_cache.cache_controller import Tier
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.hicache_config import PrefetchPolicy
-from sglang.srt.mem_cache.page_hash import namespace_hash, page_hashes
+from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy
+from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.storage_ops import BackupOperation, HiCacheFlushIncomplete, PrefetchOperation, PrefetchState
-from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+from sglang.srt.mem_cache.controller.storage_ops import BackupOperation, HiCacheFlushIncomplete, PrefetchOperation, PrefetchState
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 
 logger = logging.getLogger(__name__)
 

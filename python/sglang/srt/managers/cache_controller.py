@@ -27,13 +27,13 @@ from enum import Enum
 import torch
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
-from sglang.srt.mem_cache.hicache_config import WritePolicy
-from sglang.srt.mem_cache.layer_done_counter import LayerDoneCounter
+from sglang.srt.mem_cache.controller.hicache_config import WritePolicy
+from sglang.srt.mem_cache.controller.layer_done_counter import LayerDoneCounter
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.storage_settings import parse_extra_config_arg, split_extra_config
-from sglang.srt.mem_cache.tier_counters import TierCounters
-from sglang.srt.mem_cache.tp_agreement import TPAgreement
-from sglang.srt.mem_cache.transfer_lane import make_lane
+from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg, split_extra_config
+from sglang.srt.mem_cache.controller.tier_counters import TierCounters
+from sglang.srt.mem_cache.hiradix.tp_agreement import TPAgreement
+from sglang.srt.mem_cache.controller.transfer_lane import make_lane
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class HiCacheController:
     def _attach_storage(self, name: str, extra_config, model_name: str | None) -> None:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-        from sglang.srt.mem_cache.storage_controller import StorageController
+        from sglang.srt.mem_cache.controller.storage_controller import StorageController
 
         extra = parse_extra_config_arg(extra_config, "storage_backend_extra_config")
         settings, backend_extra = split_extra_config(extra)

@@ -32,12 +32,12 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.cache_controller import Tier
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.hicache_config import WritePolicy
+from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.controller.hicache_config import WritePolicy
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
-from sglang.srt.mem_cache.tree_node import TreeNode
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.radix.tree_node import TreeNode
 
 logger = logging.getLogger(__name__)
 

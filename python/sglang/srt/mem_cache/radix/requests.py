@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
-from sglang.srt.mem_cache.tree_node import RadixKey, empty_indices
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, empty_indices
 from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
 
 

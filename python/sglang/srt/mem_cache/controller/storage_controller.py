@@ -35,10 +35,10 @@ from typing import Callable
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, leading_hits
-from sglang.srt.mem_cache.storage_backend_calls import BackendCalls
-from sglang.srt.mem_cache.storage_ops import BackupOperation, PrefetchOperation, Quarantine
-from sglang.srt.mem_cache.storage_settings import StorageSettings
-from sglang.srt.mem_cache.transfer_lane import CpuEvent, ThreadLane
+from sglang.srt.mem_cache.controller.backend_calls import BackendCalls
+from sglang.srt.mem_cache.controller.storage_ops import BackupOperation, PrefetchOperation, Quarantine
+from sglang.srt.mem_cache.controller.storage_settings import StorageSettings
+from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, ThreadLane
 
 logger = logging.getLogger(__name__)
 

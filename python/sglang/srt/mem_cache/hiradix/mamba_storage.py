@@ -25,11 +25,11 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.cache_controller import Tier
-from sglang.srt.mem_cache.cache_integrity import CacheIntegrityError
+from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.storage_ops import PrefetchOperation
-from sglang.srt.mem_cache.tree_node import RadixKey, TreeNode
+from sglang.srt.mem_cache.controller.storage_ops import PrefetchOperation
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import as_cpu_index
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.mem_cache.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.page_hash import namespace_hash
-from sglang.srt.mem_cache.radix_key import RadixKey
+from sglang.srt.mem_cache.radix.page_hash import namespace_hash
+from sglang.srt.mem_cache.radix.radix_key import RadixKey
 
 __all__ = ["MatchResult", "RadixKey", "TreeNode", "empty_indices", "new_stamp"]
 

@@ -19,36 +19,12 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
-from enum import Enum
-from typing import TYPE_CHECKING
 
-from sglang.srt.mem_cache.memory_pool.base import PoolKind
-
-if TYPE_CHECKING:
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.memory_pool.base import SHARD_MODE, ShardMode
 
 KEY_SCHEME_VERSION = "sglang-hicache-l3-v1"
 _PAGE_HASH = re.compile(r"[0-9a-f]{64}")
 
-
-class ShardMode(str, Enum):
-    """Whether TP ranks hold the same bytes for a page (replicated) or different ones (sharded)."""
-
-    REPLICATED = "replicated"
-    SHARDED = "sharded"
-
-
-# Which pool kinds hold identical bytes on every TP rank. MLA's latent, the DSA indexer key and
-# the DeepSeek-V4 anchor/state are not split by heads; MHA heads and Mamba states are.
-SHARD_MODE = {
-    PoolKind.MHA: ShardMode.SHARDED,
-    PoolKind.ASYMMETRIC_MHA: ShardMode.SHARDED,
-    PoolKind.MAMBA: ShardMode.SHARDED,
-    PoolKind.MLA: ShardMode.REPLICATED,
-    PoolKind.DSA_INDEXER: ShardMode.REPLICATED,
-    PoolKind.DSV4_ANCHOR: ShardMode.REPLICATED,
-    PoolKind.DSV4_STATE: ShardMode.REPLICATED,
-}
 
 # Object suffix tag of a component where it differs from the component's name ("" = no tag).
 _COMPONENT_TAG = {"kv": "k", "index_k": "k", "index_scale": "v", "state": ""}

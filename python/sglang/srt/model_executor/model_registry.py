@@ -1,4 +1,8 @@
-"""HF ``architectures`` name -> model class, imported lazily."""
+"""HF ``architectures`` name -> model class, imported lazily.
+
+It lives beside the model runner (upstream keeps it in ``models/registry.py``) so that
+``model_executor`` never imports ``models``: the table names classes as "module:Class" strings.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""DisaggBase: what the prefill and decode modes share on the scheduler side (the first-token
+aux buffers, the rank's NixlKVManager, transfer counters, failing a request).
+
+The scheduler-facing interface both modes implement is described in ``scheduler_glue.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang.srt.disaggregation.utils import FirstTokenAux, advertised_host, build_kv_args, transfer_config
+from sglang.srt.managers.schedule_batch import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+
+class DisaggBase:
+    """The parts both modes share: the aux buffers, the rank's NixlKVManager, bookkeeping."""
+
+    mode = "null"
+
+    def __init__(self, scheduler, bootstrap_addr: str | None):
+        from sglang.srt.disaggregation.base.conn import DisaggregationMode
+        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+        self.sched = scheduler
+        self.runner = scheduler.runner
+        self.page_size = scheduler.page_size
+        args = scheduler.args
+        self.aux = FirstTokenAux(self.runner.req_to_token_pool.size)
+        self.kv_args = build_kv_args(self.runner, self.aux)
+        self.host = advertised_host(args.host)
+        self.mgr = NixlKVManager(self.kv_args, DisaggregationMode(self.mode),
+                                 transfer_config(self.host, bootstrap_addr))
+        self.num_transferred = 0
+        self.num_failed = 0
+
+    def has_work(self) -> bool:
+        return bool(self.held_reqs()) or bool(self.queued_reqs())
+
+    def queued_reqs(self) -> list[Req]:
+        """Requests in the PD queues that hold no device pages."""
+        return []
+
+    def held_reqs(self) -> list[Req]:
+        return []
+
+    def fail(self, req: Req, message: str) -> None:
+        """Finish ``req`` as aborted with ``message`` (a transfer failure): no tokens are reported,
+        so the client gets the message as an error."""
+        self.num_failed += 1
+        logger.warning("request %s failed in PD transfer: %s", req.rid, message)
+        req.finished = None
+        req.finish(FinishReason.ABORT, message=f"PD transfer failed: {message}")
+        req.output_ids, req.logprobs, req.top_logprobs, req.sent = [], [], [], 0
+
+    def info(self) -> dict:
+        return {"disaggregation_mode": self.mode, "pd_transferred": self.num_transferred,
+                "pd_failed": self.num_failed, "pd_active_rooms": self.mgr.num_active_rooms()}
+
+    def close(self) -> None:
+        self.mgr.close()
