@@ -3,7 +3,7 @@
     python test/run_suite.py --hw cpu --suite per-commit-cpu [--list] [--timeout-per-file S]
 
 Registrations are read with ``ast`` from every ``test_*.py`` under ``test/registered/``; each
-such file must make at least one top-level ``register_*_ci`` call with literal keyword arguments,
+such file must make at least one top-level ``register_*_ci`` call with literal arguments,
 at most one per hardware we run (cpu, cuda). Upstream-style registrations (``stage=`` +
 ``runner_config=``, upstream suite names, ``nightly=``, ``register_amd_ci`` and the other
 hardware's markers) are read as ``sglang.test.ci.ci_register`` documents: upstream suite names
@@ -48,6 +48,7 @@ REGISTERED = ROOT / "registered"
 sys.path.insert(0, str(ROOT.parent / "python"))
 from sglang.test.ci.ci_register import (  # noqa: E402
     MARKER_KEYWORDS,
+    MARKER_POSITIONAL,
     NIGHTLY_SUITES,
     REGISTER_FUNCS,
     SUITES_BY_HW,
@@ -73,23 +74,31 @@ _KEYWORD_TYPES = {"est_time": (int, float), "nightly": bool}
 
 
 def _literal_kwargs(call: ast.Call, path: Path) -> dict:
+    """The call's arguments by name: positional ones bound to the marker's leading parameters
+    (upstream writes ``register_cpu_ci(5, "base-a-test-cpu")``), then the keywords."""
     name = call.func.id
-    if call.args:
-        raise RegistrationError(f"{path}: {name}() takes keyword arguments only")
-    out = {}
+    if len(call.args) > len(MARKER_POSITIONAL):
+        raise RegistrationError(f"{path}: {name}() takes at most {len(MARKER_POSITIONAL)} positional arguments "
+                                f"({', '.join(MARKER_POSITIONAL)}), got {len(call.args)}")
+    named = list(zip(MARKER_POSITIONAL, call.args))
     for kw in call.keywords:
         if kw.arg not in MARKER_KEYWORDS:  # None for **kwargs
             raise RegistrationError(
                 f"{path}: unknown argument {kw.arg!r} of {name}(); known: {', '.join(MARKER_KEYWORDS)}"
             )
+        if kw.arg in MARKER_POSITIONAL[: len(call.args)]:
+            raise RegistrationError(f"{path}: {name}() got argument {kw.arg!r} both by position and by keyword")
+        named.append((kw.arg, kw.value))
+    out = {}
+    for arg, node in named:
         try:
-            value = ast.literal_eval(kw.value)
+            value = ast.literal_eval(node)
         except ValueError:
-            raise RegistrationError(f"{path}: argument {kw.arg!r} of {name}() must be a literal") from None
-        expected = _KEYWORD_TYPES.get(kw.arg, str)
-        if not isinstance(value, expected) and not (value is None and kw.arg != "est_time"):
-            raise RegistrationError(f"{path}: argument {kw.arg!r} of {name}() has the wrong type: {value!r}")
-        out[kw.arg] = value
+            raise RegistrationError(f"{path}: argument {arg!r} of {name}() must be a literal") from None
+        expected = _KEYWORD_TYPES.get(arg, str)
+        if not isinstance(value, expected) and not (value is None and arg != "est_time"):
+            raise RegistrationError(f"{path}: argument {arg!r} of {name}() has the wrong type: {value!r}")
+        out[arg] = value
     return out
 
 

@@ -96,5 +96,8 @@ register_xpu_ci = _marker("xpu")
 register_musa_ci = _marker("musa")
 register_mlx_ci = _marker("mlx")
 
-# The keywords a registration may use: the markers' own parameters, one source of truth.
+# The keywords a registration may use: the markers' own parameters, one source of truth; the
+# leading ones may also be given by position, as upstream's files do.
 MARKER_KEYWORDS = tuple(inspect.signature(register_cpu_ci).parameters)
+MARKER_POSITIONAL = tuple(name for name, p in inspect.signature(register_cpu_ci).parameters.items()
+                          if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)

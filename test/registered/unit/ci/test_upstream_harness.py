@@ -159,6 +159,7 @@ def test_upstream_registrations_map_onto_our_suites_and_other_hardware_is_never_
         register_cuda_ci(est_time=60, suite="nightly-1-gpu", nightly=True, disabled="needs a model")
     """)
     write(tmp_path, "test_large.py", 'register_cuda_ci(est_time=9, suite="stage-b-test-large-2-gpu")\n')
+    write(tmp_path, "test_positional.py", 'register_cpu_ci(4, "stage-a-test-cpu", False, "flaky upstream")\n')
     write(tmp_path, "test_amd_only.py", """
         register_amd_ci(est_time=5, suite="stage-b-test-1-gpu-small-amd")
         register_npu_ci(est_time=400, suite="stage-b-test-2-npu-a3", nightly=False)
@@ -175,11 +176,12 @@ def test_upstream_registrations_map_onto_our_suites_and_other_hardware_is_never_
         ("test_large.py", "cuda", "per-commit-2-gpu", None),
         ("test_pair.py", "amd", "stage-b-test-1-gpu-small-amd", None),
         ("test_pair.py", "cuda", "per-commit-1-gpu", None),
+        ("test_positional.py", "cpu", "per-commit-cpu", "flaky upstream"),
     ]
     selected = {(hw, suite): [r.path.name for r in run_suite.select(regs, hw, suite)]
                 for hw, suites in ci_register.SUITES_BY_HW.items() for suite in suites}
     assert selected == {
-        ("cpu", "per-commit-cpu"): ["test_cpu.py"], ("cpu", "nightly-cpu"): [],
+        ("cpu", "per-commit-cpu"): ["test_cpu.py", "test_positional.py"], ("cpu", "nightly-cpu"): [],
         ("cuda", "per-commit-1-gpu"): ["test_pair.py"], ("cuda", "per-commit-2-gpu"): ["test_large.py"],
         ("cuda", "nightly-1-gpu"): ["test_cpu.py"],
     }
