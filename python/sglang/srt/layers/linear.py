@@ -5,10 +5,13 @@ full (unsharded) checkpoint tensor and copies this rank's slice into the paramet
 
 Batch invariance: BLAS picks different kernels for small row counts than for large ones, and
 those kernels round differently. Where the switch happens depends on the CPU and on the inner
-dimension: 1-3 rows on some machines, up to 15 rows (K >= 512) on AVX-512/AMX Xeons.
-``invariant_linear`` pads small inputs to ``MIN_GEMM_ROWS`` rows, so a token's output does not
-depend on how many tokens share the call (verified for MKL/oneDNN on CPU; on CUDA cuBLAS
-heuristics still vary with shape, see docs/engine.md).
+dimension: 1-3 rows on some machines, up to 15 rows (K >= 512) on AVX-512/AMX Xeons. Some kernel
+sets also treat the rows past the last whole tile of rows apart (MKL's generic path, taken under
+``MKL_CBWR=COMPATIBLE``: tiles of 4 rows). ``gemm_rows(n)`` rounds a row count up to a multiple of
+``MIN_GEMM_ROWS`` (at least ``MIN_GEMM_ROWS``), and ``invariant_linear`` pads its input to it, so
+every row lies in a whole tile of a kernel chosen for a large call, and a token's output does not
+depend on how many tokens share the call (checked on Intel Xeon and AMD EPYC with MKL/oneDNN; on
+CUDA cuBLAS heuristics still vary with shape, see docs/engine.md).
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ from sglang.srt.distributed import (
 MIN_GEMM_ROWS = 16
 
 
+def gemm_rows(n: int) -> int:
+    """The row count a batch-invariant GEMM of ``n`` rows runs with: ``n`` rounded up to a
+    multiple of ``MIN_GEMM_ROWS`` (``MIN_GEMM_ROWS`` for ``n`` = 0)."""
+    return max(MIN_GEMM_ROWS, -(-n // MIN_GEMM_ROWS) * MIN_GEMM_ROWS)
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for 2-D ``x`` whose rows do not depend on the row count."""
     n = x.shape[0]
-    if 0 < n < MIN_GEMM_ROWS:
-        x = torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])])
+    if n and n != gemm_rows(n):
+        x = torch.cat([x, x.new_zeros(gemm_rows(n) - n, x.shape[1])])
     out = F.linear(x, weight)[:n]
     return out if bias is None else out + bias
 

@@ -33,10 +33,10 @@ from torch import nn
 from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
-    MIN_GEMM_ROWS,
     ColumnParallelLinear,
     RowParallelLinear,
     divide,
+    gemm_rows,
     invariant_linear,
 )
 from sglang.srt.layers.moe import DeepseekMoE, moe_weight_shapes
@@ -73,11 +73,11 @@ class ReplicatedLinear(nn.Module):
 
 
 def invariant_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` for ``x`` (B, T, K), ``w`` (B, K, N), with T padded to ``MIN_GEMM_ROWS`` so a row's
+    """``x @ w`` for ``x`` (B, T, K), ``w`` (B, K, N), with T padded to ``gemm_rows(T)`` so a row's
     result does not depend on how many rows share the call."""
     rows = x.shape[1]
-    if 0 < rows < MIN_GEMM_ROWS:
-        x = torch.cat([x, x.new_zeros(x.shape[0], MIN_GEMM_ROWS - rows, x.shape[2])], dim=1)
+    if rows and rows != gemm_rows(rows):
+        x = torch.cat([x, x.new_zeros(x.shape[0], gemm_rows(rows) - rows, x.shape[2])], dim=1)
     return torch.matmul(x, w)[:, :rows]
 
 

@@ -14,7 +14,7 @@ entries past p as well; only an exact tie at the k-th score could then resolve o
 row does not depend on chunking, batching or cached prefixes, so neither does the choice.
 
 Batch invariance: the scores are computed per request over key blocks of the attention
-backend's plan (128 slots aligned to position 0, >= MIN_GEMM_ROWS rows), a head-weighted sum in
+backend's plan (128 slots aligned to position 0, gemm_rows(q_len) rows), a head-weighted sum in
 a fixed order; the attention then masks the keys not chosen to exact zeros in the same blocks.
 
 Under TP the indexer is replicated (every rank chooses the same keys; its sidecar is the same
@@ -104,12 +104,13 @@ class DeepseekV32Indexer(nn.Module):
         """(padded rows, blocks * key_block) index scores of one chunk's rows over its key slots."""
         rows, heads, nb = chunk.padded_rows, self.n_heads, chunk.num_blocks
         block = chunk.token_slots.numel() // nb
-        # (rows, H, D): the backend pads every chunk to >= MIN_GEMM_ROWS rows
+        # (rows, H, D): the backend pads every chunk to gemm_rows(q_len) rows
         q = F.pad(q.float(), (0, 0, 0, 0, 0, rows - q.shape[0]))
         q = q.permute(1, 0, 2).reshape(1, heads * rows, self.head_dim)
         keys = k_buf.index_select(0, chunk.token_slots).float()
         keys[chunk.num_keys :] = 0  # padding slots
-        keys = keys.view(nb, block, self.head_dim).transpose(1, 2)  # (nb, D, block)
+        # contiguous, as the backend's operands (strided ones let MKL pick kernels by nb)
+        keys = keys.view(nb, block, self.head_dim).transpose(1, 2).contiguous()  # (nb, D, block)
         scores = torch.matmul(q, keys).mul_(self.softmax_scale).relu_().view(nb, heads, rows, block)
         w = F.pad(weights, (0, 0, 0, rows - weights.shape[0])).t().reshape(1, heads, rows, 1)
         index = (scores * w).sum(dim=1)  # (nb, rows, block)

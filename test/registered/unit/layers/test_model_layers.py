@@ -13,6 +13,7 @@ from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    gemm_rows,
     invariant_linear,
 )
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
@@ -88,6 +89,10 @@ def test_rmsnorm_and_fused_residual():
     out, new_res = norm(x, res)
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(out, norm(x + res))
+
+
+def test_gemm_rows_rounds_up_to_whole_tiles_of_min_gemm_rows():
+    assert [gemm_rows(n) for n in (0, 1, 15, 16, 17, 32, 33, 250)] == [16, 16, 16, 16, 32, 32, 48, 256]
 
 
 @pytest.mark.parametrize("in_features", [64, 256, 1536])

@@ -8,7 +8,10 @@ KV written in this one are read the same way. Queries are processed in chunks of
 Why this shape: a token's output must not depend on which forward computed its prefix, on how
 many tokens share its chunk, or on the other requests in the batch (batch invariance). So
 
-* every GEMM has at least ``MIN_GEMM_ROWS`` rows (BLAS uses other kernels below that);
+* every GEMM runs with ``gemm_rows(rows)`` rows (BLAS uses other kernels for few rows and for a
+  last partial tile of rows), and
+  its operands are contiguous (with strided ones, MKL on AMD CPUs chooses kernels by the batch
+  count, i.e. by how many key blocks a chunk reads);
 * the softmax numerator and denominator are summed per key block with a fixed reduction length
   ``key_block``, and the per-block partial sums are combined by a pairwise tree over a
   power-of-two number of blocks. Blocks past a row's causal limit contribute exact zeros, so
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.layers.activation import invariant_pointwise
-from sglang.srt.layers.linear import MIN_GEMM_ROWS
+from sglang.srt.layers.linear import gemm_rows
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class TorchNativeAttnBackend:
         num_keys, block = token_slots.numel(), self.key_block
         num_blocks = -(-num_keys // block)
         padded_slots = F.pad(token_slots, (0, num_blocks * block - num_keys))
-        padded_rows = max(q_len, MIN_GEMM_ROWS)
+        padded_rows = gemm_rows(q_len)
         first_masked = min((first_pos + 1) // block, num_blocks - 1)
         # Padded rows repeat the last real key position: finite, ignored.
         pos = torch.arange(first_pos, first_pos + padded_rows, device=self.device).clamp(max=num_keys - 1)
@@ -192,12 +195,15 @@ class TorchNativeAttnBackend:
 
         q = F.pad(q.float() * layer.scaling, (0, 0, 0, 0, 0, rows - chunk.q_len))
         q = q.view(rows, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, 1, group * rows, head_dim)
+        q = q.contiguous()
         slots = chunk.token_slots[skip * block :]
         keys = k_buf.index_select(0, slots).float()  # (nb * block, Hkv, D)
         vals = v_buf.index_select(0, slots).float()
         vals[chunk.num_keys - skip * block :] = 0  # padding slots: P is 0 there, but 0 * NaN would not be
-        keys = keys.view(nb, block, num_kv, head_dim).permute(2, 0, 3, 1)  # (Hkv, nb, D, block)
-        vals = vals.view(nb, block, num_kv, v_dim).permute(2, 0, 1, 3)  # (Hkv, nb, block, Dv)
+        # GEMM operands contiguous: with strided (permuted) operands, MKL on AMD picks kernels by
+        # the batch count (nb), so a row's bits would depend on how many key blocks its chunk has.
+        keys = keys.view(nb, block, num_kv, head_dim).permute(2, 0, 3, 1).contiguous()  # (Hkv, nb, D, block)
+        vals = vals.view(nb, block, num_kv, v_dim).permute(2, 0, 1, 3).contiguous()  # (Hkv, nb, block, Dv)
 
         scores = torch.matmul(q, keys)  # (Hkv, nb, group * rows, block)
         by_row = scores.view(num_kv, nb, group, rows, block)
