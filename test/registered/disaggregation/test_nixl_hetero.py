@@ -6,10 +6,13 @@ staging is full. Each decode rank must hold exactly the heads it owns (checked b
 ``pd_workers.check_decode``), and every staging byte must be free afterwards."""
 
 import contextlib
+import inspect
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
+import torch
 
 from mp_harness import BASE_CFG
 from pd_workers import build_rank, check_decode, fill_prefill
@@ -262,6 +265,33 @@ def test_request_without_pages_completes_on_a_bare_notification():
         wait_all([sender], KVPoll.WaitingForInput)
         sender.send([])
         wait_all([sender, recv], KVPoll.Success, timeout=10)
+
+
+def test_send_kvcache_slice_takes_upstreams_arguments_and_moves_each_decode_rank_its_heads():
+    # upstream's send_kvcache_slice(peer_name, prefill_kv_indices, dst_kv_indices): the rest of
+    # what it needs about the peer (pointers, item sizes, its heads) was fixed at REGISTER
+    params = list(inspect.signature(NixlKVManager.send_kvcache_slice).parameters)
+    assert params == ["self", "peer_name", "prefill_kv_indices", "dst_kv_indices", "notif"]
+    with cluster(1, 2, 4, NO_STAGING, NO_STAGING) as (cfg, server, prefill, decode):
+        start(cfg, server, prefill, decode)  # both decode ranks registered with the prefill rank
+        mgr, (pkv, _, _) = prefill[0]
+        src, dst = np.array([9, 3], dtype=np.int32), np.array([6, 13], dtype=np.int32)  # upstream's int32
+        for r, (dmgr, (dkv, _, _)) in enumerate(decode):
+            transfer = mgr.send_kvcache_slice(dmgr.agent_name, src, dst)  # no notification
+            deadline = time.monotonic() + 10
+            while mgr.check(transfer) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert mgr.check(transfer) == "DONE"
+            mgr.finish(transfer)
+            for name in ("k", "v"):
+                got = dkv.buffers[name].view(2, -1, 4, 2, 4)[:, dst]
+                sent = pkv.buffers[name].view(2, -1, 4, 4, 4)[:, src, :, 2 * r:2 * r + 2]
+                assert torch.equal(got, sent), (r, name)
+                assert (dkv.buffers[name].view(2, -1, 4, 2, 4)[:, [1, 7, 14]] == -7).all()  # nothing else
+        with pytest.raises(ValueError, match="'nobody' is not a registered decode peer of prefill-0-"):
+            mgr.send_kvcache_slice("nobody", src, dst)
+        with pytest.raises(ValueError, match="page lists differ in length: src 2, dst 1"):
+            mgr.send_kvcache_slice(decode[0][0].agent_name, src, dst[:1])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""KVArgs validation, peer compatibility, control messages, notification tags, TransferStatus."""
+"""KVArgs validation, peer compatibility, control messages, notification tags."""
 
 import json
 
@@ -19,7 +19,6 @@ from sglang.srt.disaggregation.common.messages import (
     decode_message,
     encode_message,
 )
-from sglang.srt.disaggregation.nixl.status import TransferStatus
 from sglang.srt.mem_cache.memory_pool import MambaPool, MHATokenToKVPool, MLATokenToKVPool
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -158,40 +157,6 @@ def test_notif_carries_the_request_pages_of_a_kv_chunk():
     assert n.encode() == b"77|kv|3|2|1|12|5"
     assert Notif.parse(n.encode()) == n
     assert Notif.parse(b"77|kv|3|2|1") == Notif(77, NotifKind.KV, 3, 2, True, 0, 0)  # range left out
-
-
-def test_two_prefill_ranks_pp1_both_counted_by_engine_rank():
-    st_ = TransferStatus(kv_senders={0, 1}, state_senders=set(), aux_sender=0)
-    st_.record(Notif(9, NotifKind.KV, 1, 1, True))  # out of order: last chunk first
-    st_.record(Notif(9, NotifKind.KV, 0, 0, True))
-    st_.record(Notif(9, NotifKind.AUX, 0))
-    assert not st_.is_done() and st_.missing() == "KV from engine rank 1"
-    st_.record(Notif(9, NotifKind.KV, 1, 0, False))
-    assert st_.is_done()
-
-
-@pytest.mark.parametrize("notif,match", [
-    (Notif(9, NotifKind.KV, 5, 0, True), "KV from engine rank 5, expected"),
-    (Notif(9, NotifKind.AUX, 1), "unexpected aux"),
-    (Notif(9, NotifKind.STATE, 0), "unexpected state"),
-])
-def test_unexpected_notifications_rejected(notif, match):
-    st_ = TransferStatus(kv_senders={0, 1}, state_senders=set(), aux_sender=0)
-    with pytest.raises(ValueError, match=match):
-        st_.record(notif)
-
-
-def test_duplicate_and_beyond_last_chunks_rejected():
-    st_ = TransferStatus(kv_senders={0}, state_senders={0}, aux_sender=None)
-    st_.record(Notif(9, NotifKind.KV, 0, 0, False))
-    with pytest.raises(ValueError, match="unexpected KV chunk 0"):
-        st_.record(Notif(9, NotifKind.KV, 0, 0, False))
-    st_.record(Notif(9, NotifKind.KV, 0, 1, True))
-    with pytest.raises(ValueError, match="unexpected KV chunk 2"):
-        st_.record(Notif(9, NotifKind.KV, 0, 2, False))
-    assert not st_.is_done()  # state still missing
-    st_.record(Notif(9, NotifKind.STATE, 0))
-    assert st_.is_done()
 
 
 if __name__ == "__main__":

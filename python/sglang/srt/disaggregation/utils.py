@@ -2,8 +2,8 @@
 
 ``FirstTokenAux``: the aux buffers that carry a request's first output token (id, logprob, top
 logprobs) from prefill to decode, one row per request-table row. ``build_kv_args``: the
-``KVArgs`` of one rank from its model runner's device pool. ``transfer_config``: timeouts from
-upstream's environment variables. ``agreed_polls``: every TP rank of a server sees the same
+``KVArgs`` of one rank from its model runner's device pool. ``transfer_config``: timeouts and
+the NIXL backend from upstream's environment variables. ``agreed_polls``: every TP rank of a server sees the same
 transfer state before acting on it (a MIN all-reduce over the gloo group: Failed < Bootstrapping
 < WaitingForInput < Transferring < Success).
 """
@@ -18,6 +18,7 @@ import socket
 import torch
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, TransferConfig
+from sglang.srt.disaggregation.nixl.agent import ENV_NIXL_BACKEND, ENV_NIXL_BACKEND_PARAMS, parse_nixl_backend_params
 from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
     """TransferConfig of one rank. Timeouts: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (a
     request waits this long for its peer; default 300), ``..._WAITING_TIMEOUT`` (for its KV once
     both sides met; 300), ``..._HEARTBEAT_INTERVAL`` (1) x ``..._HEARTBEAT_MAX_FAILURE`` (5):
-    a peer silent that long is dead and its requests fail."""
+    a peer silent that long is dead and its requests fail. NIXL: ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
+    (the plugin, default UCX) and ``..._NIXL_BACKEND_PARAMS`` (a JSON object of strings, default {})."""
     interval = _env_seconds(ENV_HEARTBEAT_INTERVAL, 1.0)
     failures = _env_seconds(ENV_HEARTBEAT_MAX_FAILURE, 5.0)
     return TransferConfig(
@@ -55,6 +57,8 @@ def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
         bootstrap_timeout_s=_env_seconds(ENV_BOOTSTRAP_TIMEOUT, 300.0),
         transfer_timeout_s=_env_seconds(ENV_WAITING_TIMEOUT, 300.0),
         heartbeat_interval_s=interval, heartbeat_timeout_s=interval * max(failures, 1.5),
+        nixl_backend=os.environ.get(ENV_NIXL_BACKEND) or "UCX",
+        nixl_backend_params=parse_nixl_backend_params(os.environ.get(ENV_NIXL_BACKEND_PARAMS) or "{}"),
     )
 
 

@@ -185,6 +185,10 @@ class TransferConfig:
     route would need per-token descriptors.
     ``pack_chunk_bytes``: staged KV is gathered and written in pieces of at most this many bytes,
     so decode scatters one piece while the next is on the wire.
+    ``nixl_backend`` / ``nixl_backend_params``: the NIXL plugin the agent moves KV with and its
+    init parameters (strings, as NIXL takes them), upstream's ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
+    / ``..._PARAMS``; whether the plugin is installed is checked when the agent is made
+    (``nixl/agent.py``).
     """
 
     host: str = "127.0.0.1"
@@ -197,8 +201,14 @@ class TransferConfig:
     staging_bytes: int = 64 << 20
     descriptor_cost_bytes: int = 24 << 10
     pack_chunk_bytes: int = 16 << 20
+    nixl_backend: str = "UCX"
+    nixl_backend_params: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
+        if not isinstance(self.nixl_backend, str) or not self.nixl_backend:
+            raise ValueError(f"TransferConfig.nixl_backend must be a NIXL plugin name such as 'UCX', "
+                             f"got {self.nixl_backend!r}")
+        check_nixl_backend_params(self.nixl_backend_params, "TransferConfig.nixl_backend_params")
         for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -214,6 +224,17 @@ class TransferConfig:
                 f"TransferConfig.heartbeat_timeout_s {self.heartbeat_timeout_s} must exceed "
                 f"heartbeat_interval_s {self.heartbeat_interval_s}"
             )
+
+
+def check_nixl_backend_params(params, source: str) -> None:
+    """Raise ValueError unless ``params`` is a dict of str to str (NIXL's backend init params)."""
+    if not isinstance(params, dict):
+        raise ValueError(f"{source} must be a JSON object of parameter name to string value, "
+                         f"got {type(params).__name__}: {params!r}")
+    for key, value in params.items():
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise ValueError(f"{source} must have string keys and string values (NIXL takes every backend "
+                             f"parameter as a string, e.g. {{\"num_threads\": \"4\"}}), got {key!r}: {value!r}")
 
 
 def as_page_ids(indices, what: str) -> np.ndarray:

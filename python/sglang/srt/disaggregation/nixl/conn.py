@@ -1,5 +1,8 @@
 """NIXL PD transfer: the per-request sender (prefill) and receiver (decode), and the bootstrap
-server prefill hosts. ``NixlKVManager`` lives in ``manager.py`` and is re-exported here.
+server prefill hosts. Upstream's other names of this module are importable here from where they
+live: ``NixlKVManager`` (``manager.py``), ``TransferStatus`` (``status.py``) and the backend
+helpers ``load_nixl_agent_classes`` / ``parse_nixl_backend_params`` /
+``validate_nixl_backend_available`` (``agent.py``, which makes the manager's agent).
 
 Per request, decode: ``NixlKVReceiver(mgr, addr, room)`` -> poll() until WaitingForInput ->
 ``init(page_ids, aux_index, state_slots)`` -> poll() until Success or Failed. Prefill:
@@ -24,12 +27,27 @@ from sglang.srt.disaggregation.base.conn import (
     as_page_ids,
 )
 from sglang.srt.disaggregation.common.bootstrap import CommonKVBootstrapServer
+from sglang.srt.disaggregation.nixl.agent import (
+    load_nixl_agent_classes,
+    parse_nixl_backend_params,
+    validate_nixl_backend_available,
+)
 from sglang.srt.disaggregation.nixl.manager import KVRoute, NixlKVManager
 from sglang.srt.disaggregation.nixl.status import TransferStatus
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVRoute", "NixlKVBootstrapServer", "NixlKVManager", "NixlKVReceiver", "NixlKVSender", "TransferStatus"]
+__all__ = [
+    "KVRoute",
+    "NixlKVBootstrapServer",
+    "NixlKVManager",
+    "NixlKVReceiver",
+    "NixlKVSender",
+    "TransferStatus",
+    "load_nixl_agent_classes",
+    "parse_nixl_backend_params",
+    "validate_nixl_backend_available",
+]
 
 _TERMINAL = (KVPoll.Success, KVPoll.Failed)
 

@@ -112,7 +112,7 @@ class DecodeSideMixin:
             has_state = state_slots.size > 0
             targets = room.targets
             aux_sender = next((t.engine_rank for t in targets if t.plan.send_aux), None) if has_aux else None
-            room.status = TransferStatus(
+            room.status = TransferStatus.expecting(
                 {t.engine_rank for t in targets if t.plan.send_kv},
                 {t.engine_rank for t in targets if t.plan.send_state and has_state},
                 aux_sender,

@@ -21,7 +21,7 @@ from enum import Enum
 
 import numpy as np
 
-from sglang.srt.disaggregation.base.conn import KVTransferError
+from sglang.srt.disaggregation.base.conn import KVTransferError, as_page_ids
 from sglang.srt.disaggregation.common.descriptors import (
     into_staging_descs,
     kv_page_descs,
@@ -88,7 +88,7 @@ class KVRoutesMixin:
             return self._pieces(dst, peer, src_pages, dst_pages, first_page, is_last)
         self.route_counts[KVRoute.TOKEN_SLICE] += 1
         notif = self._kv_notif(room, dst, is_last, first_page, src_pages.size)
-        self._track(room, self.send_kvcache_slice(dst, peer, src_pages, dst_pages, notif))
+        self._track(room, self.send_kvcache_slice(dst.agent_name, src_pages, dst_pages, notif))
         return []
 
     def _staged_pieces(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, first_page: int,
@@ -147,7 +147,7 @@ class KVRoutesMixin:
                         self._post_into_decode_staging(room, dst, peer, pc.pages, pc.first_page, notif)
                     else:
                         self.route_counts[KVRoute.TOKEN_SLICE] += 1
-                        self._track(room, self.send_kvcache_slice(dst, peer, pc.pages, pc.dst_pages, notif))
+                        self._track(room, self.send_kvcache_slice(dst.agent_name, pc.pages, pc.dst_pages, notif))
                     continue
                 off, nbytes, future = gather
                 ahead[i] = gather  # until posted: freed below if anything fails first
@@ -202,11 +202,23 @@ class KVRoutesMixin:
             off = self.staging.alloc(nbytes)
         return off
 
-    def send_kvcache_slice(self, dst: DstInfo, peer: dict, src_pages: np.ndarray, dst_pages: np.ndarray,
-                           notif: Notif):
-        """Per token, the heads ``dst.head_slice`` names (heterogeneous TP, MHA/GQA)."""
+    def send_kvcache_slice(self, peer_name: str, prefill_kv_indices, dst_kv_indices, notif: Notif | None = None):
+        """WRITE, per token, the heads decode ``peer_name`` takes from this rank (heterogeneous
+        TP, MHA/GQA: ``decode_peers[peer_name]["head_slice"]``, fixed when it registered) from
+        this rank's pages ``prefill_kv_indices`` into its pages ``dst_kv_indices`` (page ids,
+        paired in order), with notification ``notif`` (None: none). Returns the posted Transfer
+        (None when there is nothing to move); KVTransferError when NIXL refuses, ValueError on an
+        unknown peer, one this rank holds no heads for, or page lists of different lengths."""
+        peer = self.decode_peers.get(peer_name)
+        if peer is None:
+            raise ValueError(f"{peer_name!r} is not a registered decode peer of {self.agent_name}")
+        hs = peer["head_slice"]
+        if hs is None:
+            raise ValueError(f"decode {peer_name} (tp_rank {peer['tp_rank']}) takes no KV heads from "
+                             f"prefill tp_rank {self.args.tp_rank}")
         descs = kv_token_slice_descs(
             self.args.kv_data_ptrs, self.args.kv_item_lens, peer["kv_ptrs"], peer["peer"]["kv_item_lens"],
-            self.args.page_size, src_pages, dst_pages, dst.head_slice,
+            self.args.page_size, as_page_ids(prefill_kv_indices, "prefill_kv_indices"),
+            as_page_ids(dst_kv_indices, "dst_kv_indices"), hs,
         )
-        return self._post(dst.agent_name, descs, notif)
+        return self._post(peer_name, descs, notif)

@@ -35,6 +35,7 @@ from sglang.srt.disaggregation.common.control import ControlChannel
 from sglang.srt.disaggregation.common.descriptors import Descs, row_descs, state_descs
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif
 from sglang.srt.disaggregation.common.staging import PoolBuffers, SliceCopier, SliceLayout, StagingArea
+from sglang.srt.disaggregation.nixl.agent import create_pd_agent
 from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
 from sglang.srt.disaggregation.nixl.kv_routes import KVRoute, KVRoutesMixin
 from sglang.srt.disaggregation.nixl.prefill_side import PrefillSideMixin
@@ -49,16 +50,13 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
     unreachable within ``bootstrap_timeout_s``)."""
 
     def __init__(self, args: KVArgs, mode: DisaggregationMode, config: TransferConfig = TransferConfig()):
-        from nixl._api import nixl_agent, nixl_agent_config  # heavy; loaded where used
-
         self.args, self.mode, self.config = args, DisaggregationMode(mode), config
         if self.mode is DisaggregationMode.PREFILL and not config.bootstrap_addr:
             raise ValueError("prefill NixlKVManager needs TransferConfig.bootstrap_addr ('host:port')")
         self.peer_info = PeerInfo.from_kv_args(args)
         self.agent_name = f"{self.mode.value}-{args.engine_rank}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
-            enable_prog_thread=config.nixl_progress_thread, backends=["UCX"]))
+        self.agent = create_pd_agent(self.agent_name, config)
         self.pool = PoolBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self._copiers: dict[SliceLayout, SliceCopier] = {}
         # Prefill gathers the next staged piece here while the current one is on the wire.
@@ -133,15 +131,17 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
 
     # ---- byte movement ----------------------------------------------------------------------
 
-    def _post(self, remote: str, descs: Descs, notif: Notif, staging: tuple[int, int] | None = None):
-        """WRITE ``descs`` to ``remote`` with ``notif``; a bare notification when there are no
-        bytes. Returns a Transfer owning ``staging`` (None for a bare notification, whose staging
-        is freed at once); raises KVTransferError after freeing ``staging``."""
-        tag = notif.encode()
+    def _post(self, remote: str, descs: Descs, notif: Notif | None, staging: tuple[int, int] | None = None):
+        """WRITE ``descs`` to ``remote`` with ``notif`` (None: a WRITE without notification); a
+        bare notification when there are no bytes. Returns a Transfer owning ``staging`` (None for
+        a bare notification or nothing to do, whose staging is freed at once); raises
+        KVTransferError after freeing ``staging``."""
+        tag = b"" if notif is None else notif.encode()
         with self._lock:
             try:
                 if len(descs) == 0:
-                    self.agent.send_notif(remote, tag)
+                    if notif is not None:
+                        self.agent.send_notif(remote, tag)
                     self._free_staging(staging)
                     return None
                 src = self.agent.get_xfer_descs(descs.src, "DRAM")

@@ -61,7 +61,9 @@ class PrefillSideMixin:
             logger.error("%s refused decode %s (engine rank %s): %s", self.agent_name, name, h["engine_rank"], exc)
             self.control.send_to(h["ip"], h["port"], MsgKind.REJECT, {"room": -1, "reason": str(exc)})
             return
-        record = dict(h, peer=peer.to_json(),
+        kv_heads = None if self.args.is_mla else head_slice(
+            self.args.effective_total_kv_head_num, self.args.tp_size, self.args.tp_rank, peer.tp_size, h["tp_rank"])
+        record = dict(h, peer=peer.to_json(), head_slice=kv_heads,
                       max_pages=_rows(h["kv_lens"], [i * peer.page_size for i in peer.kv_item_lens]),
                       max_aux=_rows(h["aux_lens"], peer.aux_item_lens),
                       max_state=_rows(h["state_lens"], peer.state_item_lens))
@@ -87,7 +89,7 @@ class PrefillSideMixin:
             raise ValueError(f"aux_index must lie in [0, {peer['max_aux']}), got {h['aux_index']}")
         hs = None
         if h["send_kv"] and not self.args.is_mla:
-            hs = head_slice(self.args.effective_total_kv_head_num, tp, self.args.tp_rank, td, tp_rank)
+            hs = peer["head_slice"]
             if hs is None:
                 raise ValueError(f"asks prefill tp_rank {self.args.tp_rank} for KV it holds none of "
                                  f"(decode tp_rank {tp_rank})")
@@ -208,7 +210,7 @@ class PrefillSideMixin:
             _check_ids(src_pages, min(self.args.num_kv_pages), "source page ids")
             is_last = room.pages_sent + src_pages.size == room.num_pages
             try:
-                self._post_chunk(room, src_pages, state_slots, is_last)
+                self._process_kvcache_transfer(room, src_pages, state_slots, is_last)
             except KVTransferError as exc:
                 self._fail_prefill_room(room, str(exc))
                 return
@@ -216,7 +218,11 @@ class PrefillSideMixin:
             room.last_posted = is_last
             room.transfer_started = room.transfer_started or time.monotonic()
 
-    def _post_chunk(self, room: PrefillRoom, src_pages, state_slots, is_last: bool) -> None:
+    def _process_kvcache_transfer(self, room: PrefillRoom, src_pages, state_slots, is_last: bool) -> None:
+        """Post one chunk to every destination of ``room``: its KV (``send_kvcache``, request
+        pages [pages_sent, +len(src_pages)) of each), and on the last chunk state and aux. Every
+        notification names this rank's ENGINE rank (upstream's name for this step; it tagged KV
+        with the pp rank until sglang PR #22145). Raises KVTransferError; the caller fails the room."""
         rank, lo, hi = self.args.engine_rank, room.pages_sent, room.pages_sent + src_pages.size
         dsts = sorted(room.dsts.values(), key=lambda d: d.tp_rank)
         for dst in dsts:  # check every destination before posting to any
