@@ -214,8 +214,9 @@ class KVRoutesMixin:
             raise ValueError(f"{peer_name!r} is not a registered decode peer of {self.agent_name}")
         hs = peer["head_slice"]
         if hs is None:
-            raise ValueError(f"decode {peer_name} (tp_rank {peer['tp_rank']}) takes no KV heads from "
-                             f"prefill tp_rank {self.args.tp_rank}")
+            why = ("MLA latents move as whole pages (send_kvcache)" if self.args.is_mla else
+                   f"it takes no KV heads from prefill tp_rank {self.args.tp_rank}")
+            raise ValueError(f"no head slice for decode {peer_name} (tp_rank {peer['tp_rank']}): {why}")
         descs = kv_token_slice_descs(
             self.args.kv_data_ptrs, self.args.kv_item_lens, peer["kv_ptrs"], peer["peer"]["kv_item_lens"],
             self.args.page_size, as_page_ids(prefill_kv_indices, "prefill_kv_indices"),

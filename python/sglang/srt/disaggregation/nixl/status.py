@@ -115,7 +115,8 @@ class TransferStatus:
                 unheard = self.num_state_senders_expected - len(self.received_state_per_pp)
                 parts += [f"state from {unheard} more sender(s)"] if unheard > 0 else []
             else:
-                parts += [f"state from engine rank {r}" for r in sorted(self.state_senders - self.received_state_per_pp)]
+                unheard = sorted(self.state_senders - self.received_state_per_pp)
+                parts += [f"state from engine rank {r}" for r in unheard]
         if self.expects_aux and not self.received_aux:
             parts.append("aux" if self.aux_sender is None else f"aux from engine rank {self.aux_sender}")
         return ", ".join(parts) or "nothing"
