@@ -3,7 +3,7 @@ only (extra config ``fail_rank``); elsewhere it is the real file backend."""
 
 import dataclasses
 
-from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
 
 class ConstructorFailed(RuntimeError):
@@ -11,9 +11,9 @@ class ConstructorFailed(RuntimeError):
 
 
 class FailOnRankBackend(HiCacheFile):
-    def __init__(self, storage_config, mem_pool_host=None):
+    def __init__(self, storage_config, file_path=None):
         extra = dict(storage_config.extra_config)
         fail_rank = extra.pop("fail_rank")
         if storage_config.tp_rank == fail_rank:
             raise ConstructorFailed(f"constructor fails on TP rank {fail_rank} on purpose")
-        super().__init__(dataclasses.replace(storage_config, extra_config=extra), mem_pool_host)
+        super().__init__(dataclasses.replace(storage_config, extra_config=extra), file_path)

@@ -56,3 +56,17 @@ def check_page_aligned(indices: torch.Tensor, page_size: int, what: str) -> None
 def page_starts(indices: torch.Tensor, page_size: int) -> torch.Tensor:
     """First token slot of every page in a page-aligned index list."""
     return indices[::page_size]
+
+
+def get_hash_str(token_ids, prior_hash: str | None = None, page_size: int | None = None) -> str | list[str]:
+    """Upstream's page-hash entry point over this fork's chain (``radix/page_hash.py``).
+
+    With ``page_size``: the hashes of every whole page of ``token_ids`` (a list; a trailing
+    partial page is ignored), chained from ``prior_hash`` (hex), or from the default namespace's
+    seed when None. Without: the hash of ``token_ids`` as one page (a string)."""
+    from sglang.srt.mem_cache.radix.page_hash import hash_page, namespace_hash, page_hashes
+
+    prior = prior_hash if prior_hash else namespace_hash()
+    if page_size is None:
+        return hash_page(prior, token_ids)
+    return page_hashes(token_ids, page_size, prior)

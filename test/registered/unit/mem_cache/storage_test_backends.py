@@ -22,7 +22,7 @@ import dataclasses
 import threading
 import time
 
-from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile
 
 _KEYS = ("delay_exists_s", "delay_get_s", "delay_set_s", "raise_on", "malformed_on", "fault_rank", "hang_on",
          "hang_max_s", "hang_after")
@@ -33,7 +33,7 @@ class InjectedStorageFault(RuntimeError):
 
 
 class ScriptedFileBackend(HiCacheFile):
-    def __init__(self, storage_config, mem_pool_host=None):
+    def __init__(self, storage_config, file_path=None):
         extra = storage_config.extra_config
         self.script = {k: extra[k] for k in _KEYS if k in extra}
         rank = self.script.get("fault_rank")
@@ -44,7 +44,7 @@ class ScriptedFileBackend(HiCacheFile):
         self._hanging = threading.Event()
         self._num_hanging = 0
         rest = {k: v for k, v in extra.items() if k not in _KEYS}
-        super().__init__(dataclasses.replace(storage_config, extra_config=rest), mem_pool_host)
+        super().__init__(dataclasses.replace(storage_config, extra_config=rest), file_path)
 
     def _enter(self, what: str) -> str | None:
         with self._calls_lock:

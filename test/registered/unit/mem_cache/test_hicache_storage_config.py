@@ -51,7 +51,7 @@ def test_server_flags_pass_straight_through(tmp_path):
     h = make_hicache(page_size=2, storage=cfg.storage_kwargs, prefetch_policy=cfg.prefetch_policy)
     controller = h.cache_controller
     assert controller.storage.settings == StorageSettings(prefetch_threshold=64, prefetch_timeout_base=2.0)
-    assert controller.storage_backend.root == str(tmp_path)
+    assert controller.storage_backend.file_path == str(tmp_path)
     assert "prefetch_threshold" not in controller.storage_config.extra_config  # the controller's, not the backend's
     assert h.prefetch_stop_policy is PrefetchPolicy.BEST_EFFORT
     controller.close()

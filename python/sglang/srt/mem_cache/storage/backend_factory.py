@@ -1,8 +1,9 @@
 """StorageBackendFactory: backend name -> "module:Class", imported only when built.
 
-Every backend is constructed the same way, ``cls(storage_config, mem_pool_host)``. The
-``dynamic`` entry takes the class from the extra config (``module_path``, ``class_name``) so an
-out-of-tree backend needs no change here. The factory never looks at a name beyond the table.
+Every backend is constructed the same way, ``cls(storage_config)``, and then given the host
+pool (``register_mem_pool_host``). The ``dynamic`` entry takes the class from the extra config
+(``module_path``, ``class_name``) so an out-of-tree backend needs no change here. The factory
+never looks at a name beyond the table.
 """
 
 from __future__ import annotations
@@ -31,19 +32,30 @@ def _from_extra_config(config: HiCacheStorageConfig) -> str:
 
 class StorageBackendFactory:
     _registry: dict[str, Callable[[HiCacheStorageConfig], str]] = {
-        "file": _fixed("sglang.srt.mem_cache.storage.file.hicache_file:HiCacheFile"),
+        "file": _fixed("sglang.srt.mem_cache.hicache_storage:HiCacheFile"),
         "nixl": _fixed("sglang.srt.mem_cache.storage.nixl.hicache_nixl:HiCacheNixl"),
         "dynamic": _from_extra_config,
     }
+    # backends that store one key over several host pages (HiCacheStorageConfig.storage_page_size)
+    _page_span_backends: set[str] = {"file", "nixl"}
 
     @classmethod
-    def register_backend(cls, name: str, spec: str) -> None:
-        """Add ``name`` -> ``"package.module:Class"`` (ValueError if the name is taken)."""
+    def register_backend(cls, name: str, spec: str, page_spans: bool = False) -> None:
+        """Add ``name`` -> ``"package.module:Class"`` (ValueError if the name is taken).
+        ``page_spans``: the backend honours ``storage_page_size``."""
         if name in cls._registry:
             raise ValueError(f"storage backend {name!r} is already registered")
         if spec.count(":") != 1:
             raise ValueError(f"backend spec must be 'module:Class', got {spec!r}")
         cls._registry[name] = _fixed(spec)
+        if page_spans:
+            cls._page_span_backends.add(name)
+
+    @classmethod
+    def backend_supports_page_spans(cls, name: str) -> bool:
+        """Whether backend ``name`` stores one key over several host pages (span mode);
+        False for an unknown name."""
+        return name in cls._page_span_backends
 
     @classmethod
     def known_backends(cls) -> list[str]:
@@ -67,6 +79,18 @@ class StorageBackendFactory:
 
     @classmethod
     def create_backend(cls, name: str, storage_config: HiCacheStorageConfig, mem_pool_host=None) -> HiCacheStorage:
+        """``cls(storage_config)`` of backend ``name``, with ``mem_pool_host`` registered (a host
+        pool or a HostPoolGroup) when given. A backend that fails to register is closed."""
         backend_cls = cls.load_class(name, storage_config)
+        if storage_config.storage_page_size is not None and not cls.backend_supports_page_spans(name):
+            raise ValueError(f"storage backend {name!r} does not support storage_page_size; backends that do: "
+                             f"{', '.join(sorted(cls._page_span_backends))}")
         logger.info("L3 storage backend: %s (%s)", name, backend_cls.__name__)
-        return backend_cls(storage_config, mem_pool_host)
+        backend = backend_cls(storage_config)
+        if mem_pool_host is not None:
+            try:
+                backend.register_mem_pool_host(mem_pool_host)
+            except BaseException:
+                backend.close()
+                raise
+        return backend

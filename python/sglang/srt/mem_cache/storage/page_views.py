@@ -20,11 +20,17 @@ logger = logging.getLogger(__name__)
 
 
 class PageViews:
-    def __init__(self, host_pool):
+    def __init__(self, host_pool, buffers: list[torch.Tensor] | None = None, page_num: int | None = None,
+                 page_size: int | None = None):
+        """``buffers``: the uint8 host buffers the pool's pages live in; ``page_num``: pages of
+        the pool (``page_size`` slots each). Each defaults to what one of this fork's host pools
+        says (``get_host_buffers``, ``page_num``, ``page_size``)."""
         self.host_pool = host_pool
-        self.page_size = host_pool.page_size
-        self._arrays = [b.numpy() for b in host_pool.get_host_buffers()]
-        self._bases = [b.data_ptr() for b in host_pool.get_host_buffers()]
+        buffers = host_pool.get_host_buffers() if buffers is None else buffers
+        self.page_size = host_pool.page_size if page_size is None else page_size
+        self.page_num = host_pool.page_num if page_num is None else page_num
+        self._arrays = [b.numpy() for b in buffers]
+        self._bases = [b.data_ptr() for b in buffers]
         self._chunks = self._affine_chunks()  # (buffer, offset of page 0, stride, bytes) per chunk
         # the same as int64 arrays (address of page 0, stride, bytes), for iovecs
         self._affine = None if self._chunks is None else (
@@ -32,8 +38,11 @@ class PageViews:
             np.array([stride for _, _, stride, _ in self._chunks], dtype=np.int64),
             np.array([n for *_, n in self._chunks], dtype=np.int64))
         if self._chunks is None:
-            logger.info("%s: pages are not affine in the host buffers; using get_data_page",
-                        type(host_pool).__name__)
+            logger.info("%s: pages are not affine in the host buffers", type(host_pool).__name__)
+
+    @property
+    def affine(self) -> bool:
+        return self._chunks is not None
 
     def _meta(self, page: int) -> tuple[list[int], list[int]]:
         P = self.page_size
@@ -46,11 +55,14 @@ class PageViews:
         return None
 
     def _affine_chunks(self) -> list[tuple[int, int, int, int]] | None:
-        page_num = self.host_pool.page_num
+        page_num = self.page_num
         if page_num == 0:
             return []
-        ptrs0, sizes = self._meta(0)
-        ptrs1 = self._meta(1)[0] if page_num > 1 else ptrs0
+        try:
+            ptrs0, sizes = self._meta(0)
+            ptrs1 = self._meta(1)[0] if page_num > 1 else ptrs0
+        except (IndexError, ValueError, RuntimeError):  # a pool that refuses the probe
+            return None
         chunks = []
         for p0, p1, n in zip(ptrs0, ptrs1, sizes):
             buf = self._buffer_of(p0, n)
@@ -58,8 +70,12 @@ class PageViews:
                 return None
             chunks.append((buf, p0 - self._bases[buf], p1 - p0, n))
         for page in {page_num // 2, page_num - 1}:
-            if self._formula(chunks, page) != self._meta(page):
+            ptrs, sizes = self._meta(page)
+            if self._formula(chunks, page) != (list(ptrs), list(sizes)):
                 return None
+        end = [off + (page_num - 1) * stride + n for _, off, stride, n in chunks]
+        if any(e > self._arrays[b].nbytes for e, (b, *_) in zip(end, chunks)):
+            return None  # the last page would run past its buffer
         return chunks
 
     def _formula(self, chunks, page: int) -> tuple[list[int], list[int]]:

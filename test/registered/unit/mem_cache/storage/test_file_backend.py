@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from sglang.srt.mem_cache.storage.file.hicache_file import TRAILER_BYTES
+from sglang.srt.mem_cache.storage.file.page_files import TRAILER_BYTES
 from sglang.srt.mem_cache.storage.file.lru_evictor import LRUEvictor
 from sglang.test.ci.ci_register import register_cpu_ci
 
@@ -43,7 +43,7 @@ def test_capacity_cap_evicts_least_recently_used_pages(tmp_path):
     assert all(store.batch_set_v1(keys[3:5], slots(host, 3, 2)))  # evicts pages 1 and 2
     hits = [store.batch_exists([k]) for k in keys]
     assert hits == [1, 0, 0, 1, 1]
-    assert store.evictor.used_bytes == 3 * file_bytes
+    assert store.files.evictor.used_bytes == 3 * file_bytes
     store.close()
 
 
@@ -57,7 +57,7 @@ def test_restart_accounts_existing_files_and_drops_leftover_temporaries(tmp_path
     leftover = bucket / "deadbeef.bin.tmp.1.2.3"
     leftover.write_bytes(b"half a page")
     again = file_store(host, tmp_path)
-    assert len(again.evictor) == 2 and not leftover.exists()
+    assert len(again.files.evictor) == 2 and not leftover.exists()
     assert again.batch_exists(keys) == 2
     again.clear()
     assert again.batch_exists(keys) == 0 and not any(f for d in tmp_path.iterdir() if d.is_dir() for f in d.iterdir())
@@ -126,4 +126,4 @@ def test_round_trip_any_pool_and_layout(stores, backend, cell, seed, num_pages, 
     assert store.batch_exists(keys) == num_pages
     assert store.batch_get_v1(keys, slots(host, dst, num_pages)) == [True] * num_pages
     assert all(torch.equal(a, b) for a, b in zip(pages_of(host, dst, num_pages), want))
-    assert os.path.isdir(store.root if backend == "file" else store.side.root)
+    assert os.path.isdir(store.files.root if backend == "file" else store.side.root)

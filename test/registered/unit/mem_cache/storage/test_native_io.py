@@ -115,7 +115,7 @@ def test_native_and_python_paths_store_the_same_bytes(backend_name, kind, layout
     keys = page_keys(6)
     native_writes = _count_calls(monkeypatch, native_io, "hash_objects")
     assert native.batch_set_v1(keys[:3], slots(host, 0, 3)) == [True] * 3
-    expect_native = backend_name == "file" or native.contexts[PoolName.KV].zero_copy
+    expect_native = backend_name == "file" or native.contexts[PoolName.KV].is_zero_copy
     assert bool(native_writes) == expect_native
     monkeypatch.setattr(native_io, "HASH", False)
     assert python.batch_set_v1(keys[3:], slots(host, 3, 3)) == [True] * 3
@@ -134,8 +134,8 @@ def test_nixl_batch_read_hands_absent_and_corrupt_pages_to_the_object_path(make_
     keys = page_keys(6)
     assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
     names = store.codecs[PoolName.KV].object_names
-    os.unlink(store.side.path(names(keys[1])[1]))  # page 1 lost its V object
-    victim = store.side.path(names(keys[4])[0])
+    os.unlink(store.side.get_file_path(names(keys[1])[1]))  # page 1 lost its V object
+    victim = store.side.get_file_path(names(keys[4])[0])
     raw = bytearray(Path(victim).read_bytes())
     raw[10] ^= 0xFF  # page 4's K payload flipped
     Path(victim).write_bytes(raw)
@@ -157,7 +157,7 @@ def test_a_removed_bucket_directory_is_recreated_by_the_fallback(backend_name, m
     store = make_backend(backend_name, host)
     keys = page_keys(4)
     name = store.codecs[PoolName.KV].object_names(keys[2])[0]
-    path = store.path(name) if backend_name == "file" else store.side.path(name)
+    path = store.files.path(name) if backend_name == "file" else store.side.get_file_path(name)
     shutil.rmtree(os.path.dirname(path))
     assert store.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4
     assert store.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
@@ -175,8 +175,8 @@ def test_file_capacity_evicts_within_one_native_batch(make_backend):
     store = make_backend("file", host, {"capacity_gb": 3 * page / (1 << 30)})
     keys = page_keys(5)
     assert store.batch_set_v1(keys, slots(host, 0, 5)) == [False, False, True, True, True]
-    on_disk = sum(len([f for f in os.listdir(e.path) if f.endswith(".bin")]) for e in os.scandir(store.root) if e.is_dir())
-    assert on_disk == len(store.evictor) == 3 and store.evictor.used_bytes == 3 * page
+    on_disk = sum(len([f for f in os.listdir(e.path) if f.endswith(".bin")]) for e in os.scandir(store.files.root) if e.is_dir())
+    assert on_disk == len(store.files.evictor) == 3 and store.files.evictor.used_bytes == 3 * page
     assert store.batch_get_v1(keys[2:], slots(host, 8, 3)) == [True] * 3
 
 
@@ -187,24 +187,24 @@ def test_file_native_batches_of_small_pages_run_on_the_io_threads(make_backend, 
     every page reads back as written."""
     import threading
 
-    from sglang.srt.mem_cache.storage.file.hicache_file import HiCacheFile
+    from sglang.srt.mem_cache.storage.file.page_files import PageFiles
     from sglang.srt.mem_cache.storage.page_workers import NATIVE_PARALLEL_MIN_PAGE_BYTES
 
     host = host_pool(PoolKind.MHA, "page_first_direct")
     fill_random(host, seed=13)
     store = make_backend("file", host, {"io_threads": 2})
-    assert store.workers.min_page_bytes == NATIVE_PARALLEL_MIN_PAGE_BYTES < (1 << 20)
-    assert store.workers.parallel(64 << 10) and not store.workers.parallel(16 << 10)
-    store.workers.min_page_bytes = 0  # the test's pages are small
+    assert store.files.workers.min_page_bytes == NATIVE_PARALLEL_MIN_PAGE_BYTES < (1 << 20)
+    assert store.files.workers.parallel(64 << 10) and not store.files.workers.parallel(16 << 10)
+    store.files.workers.min_page_bytes = 0  # the test's pages are small
     seen = {"read": [], "write": []}
     for op, name in (("read", "_read_native"), ("write", "_write_native")):
-        real = getattr(HiCacheFile, name)
+        real = getattr(PageFiles, name)
 
         def spy(self, pages, layout, real=real, op=op):
             seen[op].append((len(pages), threading.current_thread().name))
             return real(self, pages, layout)
 
-        monkeypatch.setattr(HiCacheFile, name, spy)
+        monkeypatch.setattr(PageFiles, name, spy)
     keys = page_keys(6)
     assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
     assert store.batch_get_v1(keys, slots(host, 8, 6)) == [True] * 6
@@ -232,7 +232,7 @@ def test_nixl_file_reads_run_two_lanes_with_their_own_agents(make_backend, monke
     assert store.batch_set_v1(keys, slots(host, 0, 8)) == [True] * 8
     names = store.codecs[PoolName.KV].object_names
     for i in (2, 5):  # one page in a chunk of each lane (chunks of two pages below)
-        victim = store.side.path(names(keys[i])[0])
+        victim = store.side.get_file_path(names(keys[i])[0])
         raw = bytearray(Path(victim).read_bytes())
         raw[7] ^= 0x01
         Path(victim).write_bytes(raw)

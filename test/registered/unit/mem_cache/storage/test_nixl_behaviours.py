@@ -46,7 +46,7 @@ def test_mla_backup_skip_on_nonzero_rank(make_backend):
 def test_zero_copy_existence_counts_partial_hits(make_backend, kind, objects_per_page):
     host = host_pool(kind, "page_first_direct")
     store = make_backend(NIXL, host)
-    assert store.contexts[PoolName.KV].zero_copy
+    assert store.contexts[PoolName.KV].is_zero_copy
     keys = page_keys(8)
     assert all(store.batch_set_v1(keys[:5], slots(host, 0, 5)))
     assert len(stored_files(store)) == 5 * objects_per_page
@@ -121,7 +121,7 @@ def test_bf16_mamba_round_trips_bit_exact_through_bounce_buffers(make_backend):
     store = make_backend(NIXL, kv)
     store.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
     ctx = store.contexts[PoolName.MAMBA]
-    assert not ctx.zero_copy and ctx.set_area.tensor.dtype == torch.uint8
+    assert not ctx.is_zero_copy and ctx.set_area.tensor.dtype == torch.uint8
     largest = max(s.nbytes for s in ctx.codec.segments)
     assert ctx.set_area.slot_bytes == round_up(largest + 4096)  # sized in bytes, not bf16 elements
     keys = page_keys(4)
@@ -142,13 +142,13 @@ def test_logical_anchor_writes_markers_and_gates_side_pools(make_backend):
     assert store.batch_set_v1(keys[:5], slots(anchor, 0, 5)) == [True] * 5
     markers = [f for f in stored_files(store) if f.endswith("_marker")]
     assert len(markers) == 5
-    assert all(os.path.getsize(store.side.path(m)) == 4096 for m in markers)
+    assert all(os.path.getsize(store.side.get_file_path(m)) == 4096 for m in markers)
     assert all(store.batch_set_v2([PoolTransfer(PoolName.DSV4_STATE, slots(anchor, 0, 8), keys)])[PoolName.DSV4_STATE])
     asked = [PoolTransfer(PoolName.DSV4_STATE)]
     assert store.batch_exists_v2(keys, asked).hit_pages == 5
     assert store.batch_get_v1(keys[:5], slots(anchor, 8, 5)) == [True] * 5
     for m in markers:
-        os.unlink(store.side.path(m))
+        os.unlink(store.side.get_file_path(m))
     gated = store.batch_exists_v2(keys, asked)
     assert (gated.kv_hit_pages, gated.extra_pool_hit_pages[PoolName.DSV4_STATE], gated.hit_pages) == (0, 0, 0)
 
@@ -169,7 +169,7 @@ def test_direct_io_on_aligned_pool_round_trips(make_backend):
     host = host_pool(PoolKind.MHA, "page_first_direct", page_size=16, head_dim=64)  # 8 KiB per K page
     fill_random(host, seed=5)
     store = make_backend(NIXL, host)
-    if not store.side.direct_supported:
+    if not store.side.use_direct_io:
         pytest.skip("the test directory's filesystem refuses O_DIRECT")
     assert store.contexts[PoolName.KV].direct
     keys = page_keys(3)
@@ -184,7 +184,7 @@ def test_nixl_errors_surface_as_project_exception_then_miss(make_backend):
     store = make_backend(NIXL, host)
     keys = page_keys(2)
     assert all(store.batch_set_v1(keys, slots(host, 0, 2)))
-    path = store.side.path(store.codecs[PoolName.KV].object_names(keys[0])[0])
+    path = store.side.get_file_path(store.codecs[PoolName.KV].object_names(keys[0])[0])
     fd = os.open(path, os.O_RDONLY)
     buf = torch.zeros(1 << 16, dtype=torch.uint8)
     store.io.register_dram([buf])

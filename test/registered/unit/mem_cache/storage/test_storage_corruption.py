@@ -62,7 +62,7 @@ class StoredObject:
         side = getattr(store, "side", None)
         self.bucket = side.params["bucket"] if side is not None and hasattr(side, "params") else None
         if self.bucket is None:
-            self.path = store.path(name) if hasattr(store, "path") else side.path(name)
+            self.path = store.files.path(name) if hasattr(store, "files") else side.get_file_path(name)
 
     def _s3(self):
         return s3_client(self.store.options.plugin_params["endpoint_override"])
@@ -122,7 +122,7 @@ def test_corruption_inside_a_batch_on_several_io_threads(make_backend):
     host = host_pool(PoolKind.MHA, "page_first_direct")
     fill_random(host, seed=12)
     store = make_backend("file", host, {"io_threads": 3})
-    store.workers.min_page_bytes = 0  # the test's pages are small; thread them anyway
+    store.files.workers.min_page_bytes = 0  # the test's pages are small; thread them anyway
     keys = page_keys(6)
     assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
     names = store.codecs[PoolName.KV].object_names

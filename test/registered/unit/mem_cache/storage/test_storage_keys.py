@@ -9,7 +9,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.memory_pool import PoolKind
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage.pool_codec import PoolCodec
-from sglang.srt.mem_cache.storage.keys import KeyDeriver, StorageNamespace, check_page_hash
+from sglang.srt.mem_cache.storage.keys import KeyDeriver, StorageNamespace, check_key, key_bytes
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="per-commit-cpu")
@@ -79,11 +79,18 @@ def test_shard_coordinates(mha, mla):
 
 
 def test_request_data_never_reaches_a_path():
-    for bad in ["../" * 10 + "etc/passwd", "A" * 64, "0" * 63, "0" * 65, "/" + "0" * 63, None, 7]:
-        with pytest.raises(ValueError, match="64 lowercase hex"):
-            check_page_hash(bad)
+    for bad in ["", None, 7, b"00"]:
+        with pytest.raises(ValueError, match="non-empty string"):
+            check_key(bad)
     ns = StorageNamespace("m", "kv", "f", "bf16", 4, "0/1", "0/1", "0/1", "fmt")
     assert KeyDeriver(ns).stem("0" * 64) != "0" * 64
+    # any other string is a key of its own, hashed like a page hash: a name is always 64 hex digits
+    for key in ["../" * 10 + "etc/passwd", "A" * 64, "0" * 63, "h0", "é/\\0"]:
+        stem = KeyDeriver(ns).stem(key)
+        assert len(stem) == 64 and int(stem, 16) >= 0
+    # a page hash and the text of its hex digits never collide; upper case is text, not a hash
+    assert key_bytes("ab" * 32) == bytes.fromhex("ab" * 32)
+    assert len({key_bytes("ab" * 32), key_bytes("AB" * 32), key_bytes("ab" * 31)}) == 3
 
 
 def test_config_comes_from_cache_params_and_pool(mla):
@@ -99,4 +106,4 @@ def test_config_comes_from_cache_params_and_pool(mla):
     with pytest.raises(ValueError, match="model_name"):
         HiCacheStorageConfig.from_cache_params(params, mla, "", None)
     with pytest.raises(ValueError, match="tp_rank"):
-        HiCacheStorageConfig("m", "bf16", 4, "f", tp_rank=2, tp_size=2)
+        HiCacheStorageConfig(model_name="m", tp_rank=2, tp_size=2)

@@ -33,7 +33,7 @@ def usable(backend, pages) -> bool:
         return False
     codec = pages[0].codec
     ctx = backend.contexts.get(codec.name)
-    return ctx is not None and ctx.zero_copy and not codec.is_marker and all(p.codec is codec for p in pages)
+    return ctx is not None and ctx.is_zero_copy and not codec.is_marker and all(p.codec is codec for p in pages)
 
 
 def _descriptors(layout: BatchLayout, trailers: np.ndarray, fds: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:

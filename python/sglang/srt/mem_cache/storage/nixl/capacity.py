@@ -39,7 +39,7 @@ def group_of(name: str) -> str:
 
 class StoreCapacity:
     def __init__(self, side, options, evicts: bool, shared: bool, stats):
-        """``side``: a PosixSide; ``evicts``: this rank keeps the budget; ``shared``: other ranks
+        """``side``: a NixlFileManager; ``evicts``: this rank keeps the budget; ``shared``: other ranks
         write to the same directories (rescan them); ``stats``: StorageStats to count evictions."""
         self.side, self.stats = side, stats
         self.evicts = options.eviction and evicts and not side.read_only
@@ -146,7 +146,7 @@ class StoreCapacity:
                 self._groups[group] = objects
         for objects in victims:
             for name in objects:
-                unlink_quiet(self.side.path(name))
+                unlink_quiet(self.side.get_file_path(name))
         self.stats.add(groups_evicted=len(victims), bytes_evicted=sum(sum(o.values()) for o in victims))
         logger.debug("HiCacheNixl capacity: evicted %d page groups", len(victims))
 

@@ -20,19 +20,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from sglang.srt.mem_cache.hicache_storage import StorageBackendError
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PagedStorage, StorageBackendError
 from sglang.srt.mem_cache.storage import batch_trailers
 from sglang.srt.mem_cache.storage.integrity import page_is_whole
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.storage.nixl import batch_path
 from sglang.srt.mem_cache.storage.nixl.bounded_calls import StorageUnavailable
 from sglang.srt.mem_cache.storage.nixl.capacity import StoreCapacity, group_of
-from sglang.srt.mem_cache.storage.nixl.nixl_config import DirectIO, StorageKind, parse_nixl_options
+from sglang.srt.mem_cache.storage.nixl.nixl_config import StorageKind, parse_nixl_options
 from sglang.srt.mem_cache.storage.nixl.nixl_io import NixlIO
+from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlFileManager, NixlObjStore
 from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext, build_context
-from sglang.srt.mem_cache.storage.nixl.storage_side import ObjSide, PosixSide
 from sglang.srt.mem_cache.storage.nixl.transfer_plan import Item, Planned, SlotCounter, descriptors
-from sglang.srt.mem_cache.storage.paged_storage import PagedStorage
 from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,6 @@ TRAILER_BYTES = 4096
 # batch path, 32 MiB chunks read 1 MiB pages at 0.55-0.57x of plain preadv against 0.48x with 8 MiB
 # ones (bench_storage.py).
 CHUNK_BYTES = 32 << 20
-SIDES = {StorageKind.FILE: PosixSide, StorageKind.OBJ: ObjSide}
 # Whether a missing object must be ruled out before a READ (OBJ fails the whole transfer on one;
 # for files, opening them tells).
 PRECHECK_READS = {StorageKind.FILE: False, StorageKind.OBJ: True}
@@ -51,17 +49,27 @@ POSIX_ENGINES = ("use_uring", "use_aio", "use_posix_aio")
 
 
 class HiCacheNixl(PagedStorage):
+    """The NIXL backend. ``HiCacheNixl(storage_config, file_path=...)`` as upstream: the storage
+    directories are the extra config's ``storage_dir`` / ``storage_dirs``, else
+    ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``, else ``file_path`` (comma-separated), else
+    /tmp/hicache_storage. Upstream's attribute names hold: ``agent`` (the NIXL agent),
+    ``file_manager`` (None for OBJ), ``needs_page_alignment``, ``is_zero_copy`` (of the KV pool),
+    ``_hybrid_pool_ctx`` (per pool, KV included), ``backup_skip``."""
+
     object_format = f"nixl-component/t{TRAILER_BYTES}"
     per_component = True
 
-    def __init__(self, storage_config, mem_pool_host=None):
-        self.options = parse_nixl_options(storage_config.extra_config)
+    def __init__(self, storage_config: HiCacheStorageConfig, file_path: str | None = None):
+        self.options = parse_nixl_options(storage_config.extra_config, file_path)
         kind = self.options.spec.kind
-        self.side = SIDES[kind](self.options)
-        if self.options.use_direct_io is DirectIO.TRUE and kind is StorageKind.FILE and not self.side.direct_supported:
-            why = "is read-only" if self.side.read_only else "does not support O_DIRECT"
-            raise ValueError(f"nixl backend: extra config key 'use_direct_io' is true but "
-                             f"{', '.join(self.options.storage_dirs)} {why}; allowed: auto, false")
+        if kind is StorageKind.FILE:
+            dirs_key = "storage_dirs" if len(self.options.storage_dirs) > 1 else "storage_dir"
+            self.file_manager = NixlFileManager(list(self.options.storage_dirs), self.options.use_direct_io, dirs_key)
+            self.side = self.file_manager
+        else:
+            self.file_manager = None
+            self.side = NixlObjStore(self.options)
+        self.is_zero_copy = False  # the KV pool's mode, set when it registers
         self.grouped_names = kind is StorageKind.FILE  # page groups: one directory, evicted together
         self.precheck_reads = PRECHECK_READS[kind]
         self.io = NixlIO(self.options, self._preferred_params())
@@ -76,32 +84,48 @@ class HiCacheNixl(PagedStorage):
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-nixl-write")
         self.capacity = None
-        super().__init__(storage_config, mem_pool_host)
+        super().__init__(storage_config)
         if kind is StorageKind.FILE:
             c = storage_config
             self.capacity = StoreCapacity(self.side, self.options, evicts=(c.tp_rank, c.pp_rank, c.attn_cp_rank) == (0, 0, 0),
                                           shared=c.tp_size * c.pp_size * c.attn_cp_size > 1, stats=self.stats)
 
+    @property
+    def agent(self):
+        """The NIXL agent of the first lane (upstream's attribute)."""
+        return self.io.agent
+
+    @property
+    def needs_page_alignment(self) -> bool:
+        """O_DIRECT was asked for on a file plugin (upstream's flag; whether a pool uses it
+        also depends on the filesystem and the pool's alignment: its context's ``direct``)."""
+        return self.options.use_direct_io and self.file_manager is not None
+
+    @property
+    def _hybrid_pool_ctx(self) -> dict[PoolName, NixlPoolContext]:
+        """Upstream's name of the per-pool contexts (ours include the KV pool's)."""
+        return self.contexts
+
     def _preferred_params(self) -> tuple[dict, ...]:
         """With O_DIRECT possible and no I/O engine chosen, try io_uring first: the POSIX
         plugin's default (Linux AIO) writes new O_DIRECT files ~50x slower here."""
         params = self.options.plugin_params
-        direct = self.options.use_direct_io is not DirectIO.FALSE and self.side.direct_supported
-        if self.options.spec.kind is StorageKind.FILE and direct and not set(params) & set(POSIX_ENGINES):
+        if self.side.use_direct_io and not set(params) & set(POSIX_ENGINES):
             return ({**params, "use_uring": "true"},)
         return ()
 
     def _on_register(self, codec: PoolCodec) -> None:
-        ctx = build_context(codec, self.options, self.side.direct_supported, TRAILER_BYTES)
+        ctx = build_context(codec, self.options, self.side.use_direct_io, TRAILER_BYTES)
         self.io.register_dram([a.tensor for a in (ctx.set_area, ctx.get_area, ctx.get_area_alt) if a is not None])
-        if ctx.zero_copy:
-            self.io.register_dram(codec.host_pool.get_host_buffers())
+        if ctx.is_zero_copy:
+            self.io.register_dram(codec.host_buffers())
             if self.options.spec.kind is StorageKind.FILE:  # what the second lanes move
                 if self.io_alt is None:
                     self.io_alt = NixlIO(self.options, self._preferred_params())
-                self.io_alt.register_dram([ctx.get_area_alt.tensor, ctx.set_area_alt.tensor,
-                                           *codec.host_pool.get_host_buffers()])
+                self.io_alt.register_dram([ctx.get_area_alt.tensor, ctx.set_area_alt.tensor, *codec.host_buffers()])
         self.contexts[codec.name] = ctx
+        if codec.name is PoolName.KV:
+            self.is_zero_copy = ctx.is_zero_copy
 
     # ---- existence ----------------------------------------------------------------------
     def _exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
@@ -316,7 +340,7 @@ class HiCacheNixl(PagedStorage):
                 item.unbounce()
             if self.capacity is not None:
                 self.capacity.touched([items[0].obj.name])
-        elif self.contexts[page.codec.name].zero_copy:
+        elif self.contexts[page.codec.name].is_zero_copy:
             page.zero()  # no unverified byte stays in the host pool
         return ok
 

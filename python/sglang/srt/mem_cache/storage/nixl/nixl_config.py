@@ -7,7 +7,11 @@ Two forms of plugin selection are accepted:
   exactly the first entry marked ``"active": true`` is used (none active is an error).
 
 Files (POSIX) go under ``storage_dir`` or, one directory per disk, ``storage_dirs`` (a list, or
-a comma-separated ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``). Their total size is kept within
+a comma-separated ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``), else under the backend's
+``file_path`` argument (comma-separated too; upstream's constructor keyword), else under
+/tmp/hicache_storage. ``use_direct_io`` (default true, upstream's key) asks for O_DIRECT where a
+pool's pages are 4096-aligned; a filesystem that refuses it falls back to buffered I/O with a
+warning. Their total size is kept within
 ``capacity_gb`` (0: half the free space at startup) by evicting whole page groups once it passes
 ``high_watermark`` percent of that budget, down to ``low_watermark`` percent (``capacity.py``).
 Upstream's spellings ``l3_cleaner_high_watermark`` / ``l3_cleaner_low_watermark`` /
@@ -30,12 +34,6 @@ class StorageKind(str, Enum):
     OBJ = "OBJ"
 
 
-class DirectIO(str, Enum):
-    AUTO = "auto"  # O_DIRECT for pools whose pages are 4096-aligned, when the filesystem allows it
-    TRUE = "true"  # the same, and an error at startup when the filesystem does not allow it
-    FALSE = "false"
-
-
 @dataclass(frozen=True)
 class PluginSpec:
     nixl_name: str
@@ -53,8 +51,8 @@ EXTRA_KEYS = (
     ExtraKey("plugin_params", dict, {}),
     ExtraKey("storage_dir", str, "", env=STORAGE_DIR_ENV),
     ExtraKey("storage_dirs", list, []),
-    ExtraKey("use_direct_io", str, "auto", env="SGLANG_HICACHE_NIXL_USE_DIRECT_IO",
-             choices=tuple(m.value for m in DirectIO)),
+    ExtraKey("use_direct_io", bool, True, env="SGLANG_HICACHE_NIXL_USE_DIRECT_IO",
+             help="O_DIRECT where a pool's pages are 4096-aligned and the filesystem allows it"),
     ExtraKey("bounce_pages", int, 128, minimum=1),
     ExtraKey("transfer_timeout_s", float, 60.0, minimum=0.001),
     ExtraKey("capacity_gb", float, 0.0, minimum=0.0, help="0: half the free space of the first directory"),
@@ -73,7 +71,7 @@ class NixlOptions:
     plugin: str
     plugin_params: dict  # str -> str, as NIXL takes them
     storage_dirs: tuple[str, ...]  # absolute; a page group's directory is chosen by its key's hash
-    use_direct_io: DirectIO
+    use_direct_io: bool  # asked for; the file manager drops it where the filesystem refuses
     bounce_pages: int
     transfer_timeout_s: float
     capacity_bytes: int = 0  # 0: decided at startup from the free space
@@ -91,8 +89,9 @@ class NixlOptions:
         return self.storage_dirs[0]
 
 
-def _storage_dirs(values: dict, given: dict) -> tuple[str, ...]:
-    """The directories from ``storage_dir`` / ``storage_dirs`` / the environment, validated."""
+def _storage_dirs(values: dict, given: dict, file_path: str | None) -> tuple[str, ...]:
+    """The directories from ``storage_dir`` / ``storage_dirs`` / the environment / ``file_path``,
+    validated."""
     if "storage_dir" in given and "storage_dirs" in given:
         raise ValueError("nixl backend: give extra config key 'storage_dir' (one directory) or 'storage_dirs' "
                          "(a list), not both")
@@ -102,7 +101,7 @@ def _storage_dirs(values: dict, given: dict) -> tuple[str, ...]:
             raise ValueError("nixl backend: extra config key 'storage_dirs' is an empty list; give at least one "
                              "directory (or 'storage_dir')")
     else:
-        dirs = [d.strip() for d in (values["storage_dir"] or DEFAULT_STORAGE_DIR).split(",")]
+        dirs = [d.strip() for d in (values["storage_dir"] or file_path or DEFAULT_STORAGE_DIR).split(",")]
     if any(not d for d in dirs):
         raise ValueError(f"nixl backend: extra config key 'storage_dirs' has an empty entry: {dirs!r}")
     absolute = [os.path.abspath(d) for d in dirs]
@@ -149,10 +148,11 @@ def _param_str(name: str, value) -> str:
                      f"got {value!r}")
 
 
-def parse_nixl_options(extra_config: dict) -> NixlOptions:
+def parse_nixl_options(extra_config: dict, file_path: str | None = None) -> NixlOptions:
+    """The validated options; ``file_path``: the default storage directories (comma-separated)."""
     extra = _unalias(_unnest_plugin(extra_config))
-    if isinstance(extra.get("use_direct_io"), bool):
-        extra = {**extra, "use_direct_io": "true" if extra["use_direct_io"] else "false"}
+    if extra.get("use_direct_io") == "auto":  # this fork's earlier spelling of the default
+        extra = {**extra, "use_direct_io": True}
     values = parse_keys(extra, EXTRA_KEYS, "nixl backend")
     spec = PLUGINS[values["plugin"]]
     params = {str(k): _param_str(k, v) for k, v in values["plugin_params"].items()}
@@ -174,8 +174,8 @@ def parse_nixl_options(extra_config: dict) -> NixlOptions:
     return NixlOptions(
         plugin=values["plugin"],
         plugin_params=params,
-        storage_dirs=_storage_dirs(values, extra),
-        use_direct_io=DirectIO(values["use_direct_io"]),
+        storage_dirs=_storage_dirs(values, extra, file_path),
+        use_direct_io=values["use_direct_io"],
         bounce_pages=values["bounce_pages"],
         transfer_timeout_s=values["transfer_timeout_s"],
         capacity_bytes=int(values["capacity_gb"] * (1 << 30)),

@@ -91,7 +91,7 @@ class NixlIO:
         deadline = self._deadline()
         local = dram if isinstance(dram, np.ndarray) else np.array([(p, n, 0) for p, n in dram], dtype=np.uint64)
         remote = storage if isinstance(storage, np.ndarray) else np.array(storage, dtype=np.uint64)
-        reg = self._call("register storage", self.agent.register_memory, storage_regs, self.mem_type, deadline=deadline)
+        reg = self._call("register storage", self._register_storage, storage_regs, deadline=deadline)
         handle, settled = None, True
         try:
             local_descs = self.agent.get_xfer_descs(local, "DRAM")
@@ -109,6 +109,11 @@ class NixlIO:
                 if handle is not None:
                     _quiet(handle.release)
                 _quiet(self.agent.deregister_memory, reg)
+
+    def _register_storage(self, regs) -> object:
+        """Register the storage side of one transfer: descriptors first, then the registration
+        (the two calls upstream makes, so an agent wrapped by a test sees the same calls)."""
+        return self.agent.register_memory(self.agent.get_reg_descs(regs, self.mem_type))
 
     def _settled(self, handle, reg) -> bool:
         """Whether a timed-out transfer has ended; releases it (and its registration) once so."""

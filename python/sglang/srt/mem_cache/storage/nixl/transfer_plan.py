@@ -13,7 +13,7 @@ import numpy as np
 
 from sglang.srt.mem_cache.storage.integrity import payload_checksum, poison_trailer, read_trailer
 from sglang.srt.mem_cache.storage.nixl.pool_context import NixlPoolContext
-from sglang.srt.mem_cache.storage.nixl.storage_side import Target
+from sglang.srt.mem_cache.storage.nixl.nixl_utils import Target
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO
 
 
@@ -108,4 +108,4 @@ class SlotCounter:
         self._next[ctx.codec.name] = i + 1
         area = ctx.set_area if write else (ctx.get_area_alt if self._alt else ctx.get_area)
         slot, ptr = area.slot(i)
-        return Item(obj, ctx.zero_copy, target, slot, ptr, trailer_bytes)
+        return Item(obj, ctx.is_zero_copy, target, slot, ptr, trailer_bytes)

@@ -1,4 +1,5 @@
-"""HiCacheFile: one file per page and pool under a directory (the embedded default backend).
+"""PageFiles: the file store behind HiCacheFile (``hicache_storage.py``), one file per page and
+pool under a directory.
 
 A file is ``<root>/<name[:2]>/<name>.bin`` holding the flat page followed by a 64-byte integrity
 trailer (``integrity.py``). Pages move between the host pool and the file with one ``pwritev``
@@ -40,7 +41,6 @@ from sglang.srt.mem_cache.storage.page_workers import (
     PARALLEL_MIN_PAGE_BYTES,
     PageWorkers,
 )
-from sglang.srt.mem_cache.storage.paged_storage import PagedStorage
 from sglang.srt.mem_cache.storage.posix_files import (
     READ_FLAGS,
     TempNames,
@@ -50,13 +50,18 @@ from sglang.srt.mem_cache.storage.posix_files import (
     unlink_quiet,
 )
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO, PoolCodec
+from sglang.srt.mem_cache.storage.stats import StorageStats
 
 logger = logging.getLogger(__name__)
 
 TRAILER_BYTES = 64
 SUFFIX = ".bin"
+OBJECT_FORMAT = f"file-page/t{TRAILER_BYTES}"
+DEFAULT_STORAGE_DIR = "/tmp/hicache"
+STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+ALIASES = {"file_storage_path": "storage_dir"}  # upstream's spelling
 EXTRA_KEYS = (
-    ExtraKey("storage_dir", str, "/tmp/hicache", env="SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"),
+    ExtraKey("storage_dir", str, DEFAULT_STORAGE_DIR, env=STORAGE_DIR_ENV),
     ExtraKey("capacity_gb", float, 0.0, minimum=0.0, help="0: half the free space of the filesystem"),
     ExtraKey("io_threads", int, 2, minimum=1,
              help="threads moving a batch: pages of 1 MiB and more, or 32 KiB and more with the native helper "
@@ -64,12 +69,28 @@ EXTRA_KEYS = (
 )
 
 
-class HiCacheFile(PagedStorage):
-    object_format = f"file-page/t{TRAILER_BYTES}"
-    per_component = False
+def parse_file_options(extra_config: dict, file_path: str | None = None) -> dict:
+    """The file backend's options: extra config keys (``storage_dir``, or upstream's
+    ``file_storage_path``), else their environment variables, else defaults; ``file_path``
+    (upstream's constructor argument) is the directory's default."""
+    extra = dict(extra_config)
+    for old, new in ALIASES.items():
+        if old in extra:
+            if new in extra:
+                raise ValueError(f"file backend: extra config keys {old!r} and {new!r} are the same setting; give one")
+            extra[new] = extra.pop(old)
+    keys = EXTRA_KEYS
+    if file_path:
+        keys = tuple(ExtraKey(k.name, k.type, file_path, k.env) if k.name == "storage_dir" else k for k in keys)
+    return parse_keys(extra, keys, "file backend")
 
-    def __init__(self, storage_config, mem_pool_host=None):
-        opts = parse_keys(storage_config.extra_config, EXTRA_KEYS, "file backend")
+
+class PageFiles:
+    """Stores, reads and verifies the objects of PageIO batches as files under ``root``.
+    ``stats``: the backend's counters (corruptions, failures)."""
+
+    def __init__(self, opts: dict, stats: StorageStats):
+        self.stats = stats
         self.root = os.path.abspath(opts["storage_dir"])
         self.read_only = not prepare_root(self.root, "file backend", "storage_dir")
         if self.read_only:
@@ -84,7 +105,6 @@ class HiCacheFile(PagedStorage):
         self._scan()
         logger.info("HiCacheFile: %s, capacity %.2f GiB (%d files present), %d I/O threads", self.root,
                     cap / (1 << 30), len(self.evictor), self.workers.threads)
-        super().__init__(storage_config, mem_pool_host)
 
     # ---- paths --------------------------------------------------------------------------
     def path(self, name: str) -> str:
@@ -117,7 +137,7 @@ class HiCacheFile(PagedStorage):
             logger.warning("HiCacheFile: %s failed its integrity check; removed", name)
 
     # ---- primitives ---------------------------------------------------------------------
-    def _exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
+    def exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
         sizes = [s.nbytes + TRAILER_BYTES for s in codec.segments] * (len(names) // len(codec.segments))
         out = []
         for name, size in zip(names, sizes):
@@ -131,7 +151,7 @@ class HiCacheFile(PagedStorage):
             out.append(actual == size)
         return out
 
-    def _read_pages(self, pages: list[PageIO]) -> list[bool]:
+    def read_pages(self, pages: list[PageIO]) -> list[bool]:
         return self.workers.map_slices(self._read_batch, pages, _page_bytes(pages))
 
     def _read_batch(self, pages: list[PageIO]) -> list[bool]:
@@ -235,7 +255,7 @@ class HiCacheFile(PagedStorage):
                     view.fill(0)
         return False
 
-    def _write_pages(self, pages: list[PageIO]) -> list[bool]:
+    def write_pages(self, pages: list[PageIO]) -> list[bool]:
         if self.read_only:
             return [False] * len(pages)
         return self.workers.map_slices(self._write_batch, pages, _page_bytes(pages))
@@ -331,7 +351,7 @@ class HiCacheFile(PagedStorage):
         return True
 
     # ---- lifecycle ----------------------------------------------------------------------
-    def _close(self) -> None:
+    def close(self) -> None:
         self.workers.close()
 
     def clear(self) -> None:

@@ -1,9 +1,10 @@
-"""The storage side of a NIXL transfer: files for the POSIX plugin, objects for the OBJ plugin.
+"""The storage side of a NIXL transfer: files for the POSIX plugin (:class:`NixlFileManager`,
+upstream's name), objects for the OBJ plugin (:class:`NixlObjStore`).
 
 Each side turns an object name into a NIXL device id + metadata for one transfer and makes
 writes atomic: POSIX writes a private temporary file and renames it over the final name; an
-S3 PUT is atomic by itself. Files live at ``<root>/<name[:2]>/<name>``, the root chosen from
-``storage_dirs`` by the name's page group.
+S3 PUT is atomic by itself. Files live at ``<base_dir>/<bucket>/<name>``, the base directory and
+bucket chosen from the name's page group (``nixl_routing.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
+from sglang.srt.mem_cache.storage.nixl.nixl_routing import BUCKET_HEX_CHARS, route_key, routing_group
 from sglang.srt.mem_cache.storage.posix_files import CommitLock, TempNames, create_exclusive, open_read, prepare_root, unlink_quiet
 
 logger = logging.getLogger(__name__)
@@ -35,27 +37,40 @@ class Target:
         return (0, 0, self.dev_id, self.meta)
 
 
-class PosixSide:
-    """Files under one or more root directories; the device id is an open file descriptor.
+class NixlFileManager:
+    """Files under one or more base directories; the device id is an open file descriptor.
 
-    A name starts with its page group (``PoolCodec``, grouped), so every object of a page hash
-    lands in one bucket of one root: ``<roots[route(name)]>/<name[:2]>/<name>``. The route is a
-    stable hash of the group, so a reopened store with the same ``storage_dirs`` finds every page.
-    A root that cannot be written (read-only mount or mode) makes the store read-only: reads are
-    served, writes miss (``read_only``)."""
+    ``get_file_path`` places an object at ``<base_dirs[disk]>/<bucket>/<name>`` by its page
+    group (``nixl_routing.route_key``), so every object of one key shares a bucket of one disk,
+    and a store reopened with the same directories finds every page. A directory that cannot be
+    written (read-only mount or mode) makes the store read-only: reads are served, writes miss
+    (``read_only``). ``use_direct_io`` asks for O_DIRECT; when a directory's filesystem refuses
+    it (tmpfs, for one) the manager warns once and uses buffered I/O (``use_direct_io`` False).
+    """
 
-    def __init__(self, options: NixlOptions):
-        self.roots = options.storage_dirs
-        self.root = self.roots[0]
-        key = "storage_dirs" if len(self.roots) > 1 else "storage_dir"
-        writable = [prepare_root(r, "nixl backend", key) for r in self.roots]
+    ROUTE_CACHE = 1 << 16
+
+    def __init__(self, base_dir: list[str] | str, use_direct_io: bool = True, key: str = "storage_dir"):
+        dirs = [base_dir] if isinstance(base_dir, str) else list(base_dir)
+        if not dirs or any(not isinstance(d, str) or not d for d in dirs):
+            raise ValueError(f"nixl backend: extra config key {key!r} needs one or more non-empty directories, "
+                             f"got {base_dir!r}")
+        self.base_dirs = [os.path.abspath(d) for d in dirs]
+        self.root = self.base_dirs[0]
+        writable = [prepare_root(r, "nixl backend", key) for r in self.base_dirs]
         self.read_only = not all(writable)
         if self.read_only:
             logger.warning("HiCacheNixl: %s not writable: serving reads only, every set is a miss",
-                           ", ".join(r for r, w in zip(self.roots, writable) if not w))
-        self.direct_supported = not self.read_only and all(probe_direct_io(r) for r in self.roots)
+                           ", ".join(r for r, w in zip(self.base_dirs, writable) if not w))
+        # A read-only store cannot be probed (the probe writes): it reads buffered, already warned.
+        self.use_direct_io = bool(use_direct_io) and hasattr(os, "O_DIRECT") and not self.read_only
+        if self.use_direct_io and not all(probe_direct_io(r) for r in self.base_dirs):
+            logger.warning("HiCacheNixl: O_DIRECT was asked for but %s does not support it; using buffered I/O",
+                           ", ".join(self.base_dirs))
+            self.use_direct_io = False
         self.tmp_names = TempNames()
         self._commit_lock = None if self.read_only else CommitLock(self.root)
+        self._routes: dict[str, str] = {}  # page group -> its bucket directory
 
     def commit_lock(self):
         """Held while a batch of written objects is renamed into place (see CommitLock)."""
@@ -65,40 +80,66 @@ class PosixSide:
         if self._commit_lock is not None:
             self._commit_lock.close()
 
-    def root_of(self, name: str) -> str:
-        """The root of ``name``'s page group (names are hex: digits 2-9 of the group pick it)."""
-        return self.roots[int(name[2:10], 16) % len(self.roots)] if len(self.roots) > 1 else self.root
+    # ---- paths (upstream's names) -------------------------------------------------------
+    def iter_all_base_dirs(self) -> list[str]:
+        return list(self.base_dirs)
 
-    def path(self, name: str) -> str:
-        return f"{self.root_of(name)}/{name[:2]}/{name}"
+    def get_file_path(self, key: str) -> str:
+        """Where object ``key`` lives."""
+        group = routing_group(key)
+        bucket_dir = self._routes.get(group)
+        if bucket_dir is None:
+            disk, bucket = route_key(group, len(self.base_dirs))
+            bucket_dir = f"{self.base_dirs[disk]}/{bucket}"
+            if len(self._routes) >= self.ROUTE_CACHE:
+                self._routes.clear()
+            self._routes[group] = bucket_dir
+        return f"{bucket_dir}/{key}"
 
     def paths(self, names: list[str]) -> list[str]:
-        if len(self.roots) > 1:
-            return [self.path(n) for n in names]
-        root = self.root
-        return [f"{root}/{n[:2]}/{n}" for n in names]
+        return [self.get_file_path(n) for n in names]
+
+    def open_file(self, file_path: str, create: bool = False) -> int | None:
+        """An fd of ``file_path`` opened read-write (``create``: created if absent, its bucket
+        directory too), with O_DIRECT when ``use_direct_io``; None when it cannot be opened."""
+        flags = os.O_RDWR | (os.O_CREAT if create else 0) | (os.O_DIRECT if self.use_direct_io else 0)
+        try:
+            if create:
+                os.makedirs(os.path.dirname(file_path), exist_ok=True)
+            return os.open(file_path, flags, 0o644)
+        except OSError as exc:
+            logger.debug("HiCacheNixl: cannot open %s: %s", file_path, exc)
+            return None
+
+    @staticmethod
+    def close_file(fd: int) -> bool:
+        try:
+            os.close(fd)
+            return True
+        except OSError:
+            return False
 
     def sizes(self, io, names: list[str]) -> list[int | None]:
         """Stored size of each object (None when absent)."""
-        infos = io.query([(0, 0, 0, self.path(n)) for n in names])
-        return [None if info is None else int(info.get("size", -1)) for info in infos]
+        infos = io.query([(0, 0, 0, p) for p in self.paths(names)])
+        return [None if info is None else _size(info) for info in infos]
 
     def stored_size(self, name: str) -> int | None:
         try:
-            return os.stat(self.path(name)).st_size
+            return os.stat(self.get_file_path(name)).st_size
         except FileNotFoundError:
             return None
 
     def open_read(self, name: str, direct: bool) -> tuple[Target | None, int | None]:
         """(target, stored size); (None, None) when absent."""
         try:
-            fd = open_read(self.path(name), os.O_DIRECT if direct else 0)
+            fd = open_read(self.get_file_path(name), os.O_DIRECT if direct else 0)
         except FileNotFoundError:
             return None, None
         return Target(name, fd, ""), os.fstat(fd).st_size
 
     def open_write(self, name: str, direct: bool) -> Target:
-        path = self.path(name)
+        path = self.get_file_path(name)
         tmp = f"{path}{self.tmp_names.tag()}0"
         return Target(name, create_exclusive(tmp, os.O_DIRECT if direct else 0), "", tmp)
 
@@ -107,30 +148,37 @@ class PosixSide:
         os.close(target.dev_id)
         if target.tmp_path:
             if commit:
-                os.replace(target.tmp_path, self.path(target.name))
+                os.replace(target.tmp_path, self.get_file_path(target.name))
             else:
                 unlink_quiet(target.tmp_path)
 
     def remove(self, name: str) -> None:
-        unlink_quiet(self.path(name))
+        unlink_quiet(self.get_file_path(name))
 
     def buckets(self):
-        """Every bucket directory of every root (DirEntry)."""
-        for root in self.roots:
+        """Every bucket directory of every base directory (DirEntry)."""
+        for root in self.base_dirs:
             for bucket in os.scandir(root):
-                if bucket.is_dir() and len(bucket.name) == 2:
+                if bucket.is_dir() and len(bucket.name) == BUCKET_HEX_CHARS:
                     yield bucket
 
     def clear(self) -> None:
+        """Remove every object (and leftover temporary file) below every base directory."""
         for bucket in self.buckets():
             for entry in os.scandir(bucket.path):
                 unlink_quiet(entry.path)
 
 
-class ObjSide:
+def _size(info) -> int:
+    """The stored size a NIXL query reports (-1: present, size unknown)."""
+    return int(info.get("size", -1)) if isinstance(info, dict) else -1
+
+
+class NixlObjStore:
     """Objects in one bucket; the device id is a process-unique number bound to the key."""
 
-    direct_supported = False
+    use_direct_io = False
+    read_only = False
 
     def __init__(self, options: NixlOptions):
         self.params = options.plugin_params
