@@ -192,7 +192,7 @@ def batch_layout(pages) -> BatchLayout | None:
         codec, j = pages[i].codec, i
         while j < len(pages) and pages[j].codec is codec:
             j += 1
-        iov = codec.object_iovecs([p.slot for p in pages[i:j]])
+        iov = codec.object_iovecs([s for p in pages[i:j] for s in p.slots])
         if iov is None:
             return None
         parts.append(Iovecs(*iov))

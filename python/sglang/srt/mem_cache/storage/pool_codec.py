@@ -276,20 +276,22 @@ class PoolCodec:
         for slot, array in zip(slots, staged):
             self.host_pool.set_from_flat_data_page(slot, torch.from_numpy(array).view(self.shape.flat_dtype))
 
-    def object_iovecs(self, slots: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Host memory of every object of the key pages at ``slots`` (each key's host-page
-        first slots), objects key after key in segment order, as int64 arrays: iovec addresses
-        and lengths, and ``starts`` (object i owns iovecs starts[i] .. starts[i + 1]). None when
-        the pool's pages are not affine in its buffers or it is staged (see PageViews); a
-        marker pool's objects own no iovec."""
-        n, K = len(slots), self.pages_per_key
+    def object_iovecs(self, slots: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Host memory of every object of the key pages whose host pages start at ``slots``
+        (``pages_per_key`` first slots per key, key after key: ``PageIO.slots`` concatenated),
+        objects key after key in segment order, as int64 arrays: iovec addresses and lengths,
+        and ``starts`` (object i owns iovecs starts[i] .. starts[i + 1]). None when the pool's
+        pages are not affine in its buffers or it is staged (see PageViews); a marker pool's
+        objects own no iovec."""
+        K = self.pages_per_key
+        n = len(slots) // K
         counts = [0 if self.is_marker else s.num_chunks * K for s in self.segments]
         starts = np.zeros(n * len(counts) + 1, dtype=np.int64)
         if self.is_marker:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), starts
         if self.page_views is None:
             return None
-        first = np.asarray(slots, dtype=np.int64).reshape(-1) // self.page_size
+        first = np.asarray(slots, dtype=np.int64) // self.page_size
         iov = self.page_views.iovecs(first)
         if iov is None:
             return None

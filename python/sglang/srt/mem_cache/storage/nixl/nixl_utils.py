@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions
-from sglang.srt.mem_cache.storage.nixl.nixl_routing import BUCKET_HEX_CHARS, route_key, routing_group
+from sglang.srt.mem_cache.storage.nixl.nixl_routing import BUCKET_HEX_CHARS, route_key
 from sglang.srt.mem_cache.storage.posix_files import CommitLock, TempNames, create_exclusive, open_read, prepare_root, unlink_quiet
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class NixlFileManager:
     it (tmpfs, for one) the manager warns once and uses buffered I/O (``use_direct_io`` False).
     """
 
-    ROUTE_CACHE = 1 << 16
+    ROUTE_CACHE = 1 << 17  # object paths (~25 MiB at most)
 
     def __init__(self, base_dir: list[str] | str, use_direct_io: bool = True, key: str = "storage_dir"):
         dirs = [base_dir] if isinstance(base_dir, str) else list(base_dir)
@@ -70,7 +70,7 @@ class NixlFileManager:
             self.use_direct_io = False
         self.tmp_names = TempNames()
         self._commit_lock = None if self.read_only else CommitLock(self.root)
-        self._routes: dict[str, str] = {}  # page group -> its bucket directory
+        self._routes: dict[str, str] = {}  # object name -> its path
 
     def commit_lock(self):
         """Held while a batch of written objects is renamed into place (see CommitLock)."""
@@ -85,19 +85,20 @@ class NixlFileManager:
         return list(self.base_dirs)
 
     def get_file_path(self, key: str) -> str:
-        """Where object ``key`` lives."""
-        group = routing_group(key)
-        bucket_dir = self._routes.get(group)
-        if bucket_dir is None:
-            disk, bucket = route_key(group, len(self.base_dirs))
-            bucket_dir = f"{self.base_dirs[disk]}/{bucket}"
+        """Where object ``key`` lives (a bounded cache: the batch paths ask for every object
+        of a chunk, usually right after an existence check asked for the same ones)."""
+        path = self._routes.get(key)
+        if path is None:
+            disk, bucket = route_key(key, len(self.base_dirs))
+            path = f"{self.base_dirs[disk]}/{bucket}/{key}"
             if len(self._routes) >= self.ROUTE_CACHE:
-                self._routes.clear()
-            self._routes[group] = bucket_dir
-        return f"{bucket_dir}/{key}"
+                self._routes.clear()  # cheaper than LRU upkeep on every lookup; refills at once
+            self._routes[key] = path
+        return path
 
     def paths(self, names: list[str]) -> list[str]:
-        return [self.get_file_path(n) for n in names]
+        get = self._routes.get
+        return [get(n) or self.get_file_path(n) for n in names]
 
     def open_file(self, file_path: str, create: bool = False) -> int | None:
         """An fd of ``file_path`` opened read-write (``create``: created if absent, its bucket
