@@ -81,10 +81,10 @@ class StorageBackendFactory:
     def create_backend(cls, name: str, storage_config: HiCacheStorageConfig, mem_pool_host=None) -> HiCacheStorage:
         """``cls(storage_config)`` of backend ``name``, with ``mem_pool_host`` registered (a host
         pool or a HostPoolGroup) when given. A backend that fails to register is closed."""
-        backend_cls = cls.load_class(name, storage_config)
         if storage_config.storage_page_size is not None and not cls.backend_supports_page_spans(name):
             raise ValueError(f"storage backend {name!r} does not support storage_page_size; backends that do: "
                              f"{', '.join(sorted(cls._page_span_backends))}")
+        backend_cls = cls.load_class(name, storage_config)
         logger.info("L3 storage backend: %s (%s)", name, backend_cls.__name__)
         backend = backend_cls(storage_config)
         if mem_pool_host is not None:
