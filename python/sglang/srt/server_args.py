@@ -104,12 +104,17 @@ class ServerArgs:
                                              "to the router after the prefill URL)")
     disaggregation_ib_device: str | None = opt(None, "accepted for upstream compatibility; UCX picks the "
                                                "network devices itself (set UCX_NET_DEVICES to choose)")
+    # KV cache events for KV-aware routers (docs/server.md, KV cache events)
+    kv_events_config: str | None = opt(None, "publish the tree's KV cache events: a JSON object, e.g. "
+                                       "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
+                                       "(publishers: null, zmq; see disaggregation.kv_events.KVEventsConfig)")
 
     def __post_init__(self):
         self._check_ranges()
         self._check_choices()
         self._check_hicache()
         self._check_disaggregation()
+        self._check_kv_events()
 
     # ---- validation ----------------------------------------------------------------------
     def _check_ranges(self) -> None:
@@ -196,6 +201,15 @@ class ServerArgs:
             raise ValueError(f"{mode} needs the transfer backend {self.disaggregation_transfer_backend!r}: "
                              f"{exc}; install the 'pd' extra (pip install 'sglang[pd]')") from None
 
+    def _check_kv_events(self) -> None:
+        if self.kv_events_config is None:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("--kv-events-config needs the radix cache (its events); drop --disable-radix-cache")
+        from sglang.srt.disaggregation.kv_events import KVEventsConfig
+
+        KVEventsConfig.from_cli(self.kv_events_config)  # a bad value stops the server at startup
+
     # ---- derived values ----------------------------------------------------------------------
     @property
     def resolved_io_backend(self) -> str:
@@ -243,6 +257,26 @@ class ServerArgs:
                 raise ValueError(f"--tokenizer-path {self.tokenizer_path!r} has no tokenizer.json")
         elif not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ValueError(f"--model-path {path!r} has no tokenizer.json")
+
+
+# ---- the process's server args (upstream's global) ------------------------------------------------
+_global_server_args: ServerArgs | None = None
+
+
+def set_global_server_args_for_scheduler(server_args: ServerArgs) -> None:
+    """Record the scheduler process's ServerArgs for code that reads them globally (upstream's
+    helper). Our components take what they need as arguments; this is for upstream-style callers."""
+    global _global_server_args
+    if not isinstance(server_args, ServerArgs):
+        raise TypeError(f"server_args must be a ServerArgs, got {type(server_args).__name__}")
+    _global_server_args = server_args
+
+
+def get_global_server_args() -> ServerArgs:
+    """The ServerArgs set by ``set_global_server_args_for_scheduler``; ValueError before that."""
+    if _global_server_args is None:
+        raise ValueError("no global ServerArgs: call set_global_server_args_for_scheduler first")
+    return _global_server_args
 
 
 # ---- CLI --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import threading
 import time
 
 from sglang.srt.managers.io_struct import SchedulerError, SchedulerReady, ShutdownReq
+from sglang.srt.disaggregation.kv_events import EventPublisherFactory
 from sglang.srt.disaggregation.scheduler_glue import build_disaggregation
 from sglang.srt.managers.scheduler_process import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -50,7 +51,7 @@ class Engine:
             proc = ctx.Process(
                 target=run_scheduler_process,
                 args=(server_args, rank, dist_port, self.in_queue if first else None,
-                      self.out_queue if first else None, status, build_disaggregation),
+                      self.out_queue if first else None, status, build_disaggregation, EventPublisherFactory.create),
                 name=f"sglang-scheduler-tp{rank}",
                 daemon=True,
             )

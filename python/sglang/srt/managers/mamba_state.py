@@ -12,7 +12,7 @@ modified.
 On finish the slot goes to the tree: ``HiMambaRadixCache.cache_finished_req`` keeps it as the
 state of the request's page-aligned key or frees it. With the prefix cache disabled the slot is
 simply freed. Slots are short only when the tree holds many states: ``reserve`` then evicts
-unlocked tree states (``evict_mamba``); with nothing evictable the request waits.
+unlocked tree states (``evict(EvictParams(mamba_num=1))``); with nothing evictable the request waits.
 
 Checkpoints: whenever a running request's computed tokens end on a page boundary (a prefill chunk
 ends there, or decode crosses one), the scheduler caches its pages and ``checkpoint`` hands a copy
@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
 
@@ -39,14 +40,14 @@ class MambaStateSlots:
         self.tree = tree_cache
         self.pool = state_pool
         # HiMambaRadixCache keeps states in the tree and takes the request's slot on finish.
-        self.tree_holds_states = hasattr(tree_cache, "evict_mamba") and not tree_cache.disable
+        self.tree_holds_states = tree_cache.supports_mamba() and not tree_cache.disable
 
     @classmethod
     def build(cls, tree_cache, runner) -> MambaStateSlots | None:
         """The manager for ``runner.state_pool``; None when the model has no state pool."""
         if runner.state_pool is None:
             return None
-        if not tree_cache.disable and not hasattr(tree_cache, "evict_mamba"):
+        if not tree_cache.disable and not tree_cache.supports_mamba():
             raise ValueError(f"{type(tree_cache).__name__} cannot cache the model's {runner.state_pool.kind.value} "
                              "states; use --enable-hierarchical-cache (HiMambaRadixCache) or --disable-radix-cache")
         return cls(tree_cache, runner.state_pool)
@@ -56,7 +57,7 @@ class MambaStateSlots:
         """Give ``req`` its own state slot, evicting unlocked tree states when none is free.
         False (nothing held) when no slot can be had now."""
         if self.pool.available_size() < 1 and self.tree_holds_states:
-            self.tree.evict_mamba(1)
+            self.tree.evict(EvictParams(mamba_num=1))
         slot = self.pool.alloc(1)
         if slot is None:
             return False
@@ -113,7 +114,8 @@ class MambaStateSlots:
         for buf in self.pool.buffers.values():
             buf[:, int(slot[0])] = buf[:, own]
         key = RadixKey(req.fill_ids, req.extra_key)
-        self.tree.insert(key, req.prefix_indices, chunked=True, mamba_value=slot)  # all present: adopts the state
+        # all present: adopts the state
+        self.tree.insert(InsertParams(key=key, value=req.prefix_indices, chunked=True, mamba_value=slot))
         return node.mamba_value is not None
 
     # ---- finish --------------------------------------------------------------------------------

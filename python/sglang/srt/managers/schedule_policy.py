@@ -33,7 +33,7 @@ import torch
 from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.managers.schedule_batch import Req, num_pages
 from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
-from sglang.srt.mem_cache.radix.tree_node import MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ request, and no slot or request row has leaked.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -34,6 +35,7 @@ from sglang.srt.managers.schedule_policy import AddResult, PrefillAdder, Waiting
 from sglang.srt.managers.scheduler_stats import SchedulerStats
 from sglang.srt.managers.storage_admin import ADMIN_KINDS, handle_storage_admin
 from sglang.srt.managers.token_slots import TokenSlotAllocator
+from sglang.srt.mem_cache.radix.events import KVEventBatch
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete
@@ -59,14 +61,21 @@ def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -
 
 class Scheduler:
     def __init__(self, server_args, tp_rank: int = 0, dist_init_method: str | None = None,
-                 disagg_factory=None):
+                 disagg_factory=None, kv_events_factory=None):
         """``disagg_factory(scheduler)`` builds the PD helper of a ``--disaggregation-mode``
-        server (the engine passes ``disaggregation.scheduler_glue.build_disaggregation``); this
-        package does not import the disaggregation one, which sits above it."""
+        server (the engine passes ``disaggregation.scheduler_glue.build_disaggregation``);
+        ``kv_events_factory(config)`` the KV event publisher of a ``--kv-events-config`` server
+        (the engine passes ``disaggregation.kv_events.EventPublisherFactory.create``; TP rank 0
+        publishes, the others hold the same tree). This package does not import the
+        disaggregation one, which sits above it."""
         mode = getattr(server_args, "disaggregation_mode", "null")
         if mode != "null" and disagg_factory is None:
             raise ValueError(f"--disaggregation-mode {mode} needs a disagg_factory "
                              "(sglang.srt.disaggregation.scheduler_glue.build_disaggregation)")
+        kv_events_config = getattr(server_args, "kv_events_config", None)
+        if kv_events_config and kv_events_factory is None:
+            raise ValueError("--kv-events-config needs a kv_events_factory "
+                             "(sglang.srt.disaggregation.kv_events.EventPublisherFactory.create)")
         self.args = server_args
         self.runner = ModelRunner(runner_config(server_args, tp_rank, dist_init_method))
         self.page_size = server_args.page_size
@@ -90,6 +99,8 @@ class Scheduler:
         self._idle_checked = True
         # PD queues and transfers; None in null mode
         self.disagg = disagg_factory(self) if disagg_factory is not None else None
+        # where each step's KV events go (rank 0 of a --kv-events-config server); None otherwise
+        self.kv_event_publisher = kv_events_factory(kv_events_config) if kv_events_config and tp_rank == 0 else None
 
     def server_info(self) -> dict:
         return {
@@ -214,6 +225,8 @@ class Scheduler:
                 logger.warning("%s", exc)
                 return ControlOutput(cid, False, str(exc), payload={"flush_incomplete": True})
         logger.info("cache flushed")
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()  # AllBlocksCleared now, not at the next step
         return ControlOutput(cid, True, "cache flushed")
 
     # ---- one step ----------------------------------------------------------------------------
@@ -236,8 +249,16 @@ class Scheduler:
             self._run_decode()
         if self.hicache:
             self.tree_cache.flush_step()  # one host reservation and one write-lane job for the step's backups
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def publish_kv_events(self) -> None:
+        """Hand the tree's KV events since the last call to the publisher, as one batch."""
+        events = self.tree_cache.take_events()
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
 
     def _ack_finished_writes(self) -> bool:
         """Unlock memory held by host writes in flight, for a request that found none: consume
@@ -433,6 +454,8 @@ class Scheduler:
         logger.debug("idle integrity check passed")
 
     def shutdown(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
         if self.disagg is not None:
             self.disagg.close()
         controller = getattr(self.tree_cache, "cache_controller", None)

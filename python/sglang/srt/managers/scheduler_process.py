@@ -112,15 +112,15 @@ def _batches_run(sched) -> int:
 
 
 def run_scheduler_process(server_args, tp_rank: int, dist_port: int | None, in_queue, out_queue, status_queue,
-                          disagg_factory=None):
-    """Process entry: build the Scheduler (``disagg_factory``: see ``Scheduler``), report ready
-    (or the error), then loop."""
+                          disagg_factory=None, kv_events_factory=None):
+    """Process entry: build the Scheduler (``disagg_factory``, ``kv_events_factory``: see
+    ``Scheduler``), report ready (or the error), then loop."""
     configure_logging(server_args.log_level, f"TP{tp_rank}")
     init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size > 1 else None
     try:
         from sglang.srt.managers.scheduler import Scheduler
 
-        scheduler = Scheduler(server_args, tp_rank, init, disagg_factory)
+        scheduler = Scheduler(server_args, tp_rank, init, disagg_factory, kv_events_factory)
     except Exception as exc:  # reported to the launcher, which prints it and exits
         logger.debug("start-up failed", exc_info=True)
         status_queue.put(SchedulerError(tp_rank, f"{type(exc).__name__}: {exc}"))

@@ -15,6 +15,7 @@ import logging
 import torch
 
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,10 @@ class TokenSlotAllocator:
         need = num_pages * self.page_size
         short = need - self.allocator.available_size()
         if short > 0:
-            self.tree_cache.evict(short)
+            self.tree_cache.evict(EvictParams(num_tokens=short))
             short = need - self.allocator.available_size()
         if short > 0 and self.flush_host_writes():
-            self.tree_cache.evict(short)
+            self.tree_cache.evict(EvictParams(num_tokens=short))
 
     def alloc_pages(self, num_pages: int) -> torch.Tensor:
         """``num_pages`` whole pages of device slots. Raises CacheIntegrityError when the

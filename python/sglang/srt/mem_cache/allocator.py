@@ -140,13 +140,33 @@ class PagedAllocator:
 
 
 class PagedTokenToKVPoolAllocator(PagedAllocator):
-    """Device token-slot allocator over a device pool. Page 0 is reserved (padding target)."""
+    """Device token-slot allocator over a device pool (upstream's name and keywords). Page 0 is
+    reserved (padding target).
 
-    def __init__(self, size: int, page_size: int, kvcache=None):
+    ``dtype`` / ``device``: the KV pool's (default: read from ``kvcache``); slot ids themselves
+    are CPU int64 tensors whatever the pool's device. ``need_sort``: accepted for upstream's
+    callers; freed pages are always merged back in sorted order, so slot ids are a deterministic
+    function of the call sequence (TP ranks rely on that), whatever it says.
+    """
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype | None = None, device=None, kvcache=None,
+                 need_sort: bool = True):
         if size % page_size:
             raise ValueError(f"size {size} is not a multiple of page_size {page_size}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} (pass the pool as kvcache=)")
         super().__init__(size // page_size, page_size, reserved_pages=1)
         self._kvcache = kvcache
+        self.dtype = dtype if dtype is not None else getattr(kvcache, "dtype", None)
+        self.device = torch.device(device if device is not None else getattr(kvcache, "device", "cpu"))
+        self.need_sort = need_sort
 
     def get_kvcache(self):
         return self._kvcache
+
+
+class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """The one-token-page allocator (upstream's ``TokenToKVPoolAllocator``): page_size 1."""
+
+    def __init__(self, size: int, dtype: torch.dtype | None = None, device=None, kvcache=None, need_sort: bool = True):
+        super().__init__(size, 1, dtype, device, kvcache, need_sort)

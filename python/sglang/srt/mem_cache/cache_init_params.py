@@ -59,6 +59,7 @@ class CacheInitParams:
     attn_cp_size: int = 1
     tp_cache_group: Any = None
     enable_metrics: bool = False
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self):
         if self.page_size < 1:

@@ -23,12 +23,13 @@ import logging
 import torch
 
 from sglang.srt.managers.cache_controller import L2Transfer, Tier
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, InsertResult, MatchResult
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
 from sglang.srt.mem_cache.hiradix.mamba_storage import MambaStorageMixin
 from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.radix.tree_node import TreeNode, empty_indices
 from sglang.srt.mem_cache.utils import as_cpu_index
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             raise ValueError("HiMambaRadixCache needs a controller with a 'mamba' pool (HybridCacheController)")
         self._pending_mamba: torch.Tensor | None = None
         super().__init__(params, cache_controller, load_back_threshold, prefetch_stop_policy)
+
+    def supports_mamba(self) -> bool:
+        return True
 
     # ---- slots -------------------------------------------------------------------------------
     def _device_slots(self, node):
@@ -94,17 +98,22 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             return None
         return torch.cat([*reversed(bridge), loaded])
 
-    def insert(self, key: RadixKey, value: torch.Tensor, chunked: bool = False, mamba_value=None) -> int:
-        """HiRadixCache.insert, plus ``mamba_value``: a device Mamba slot (1 element) holding the
-        state after ``key``. Its ownership passes to the tree: kept by the node ending at the key
-        when that node has no device state yet, freed otherwise."""
+    def insert(self, params: InsertParams) -> InsertResult:
+        """HiRadixCache.insert, plus ``params.mamba_value``: a device Mamba slot (1 element)
+        holding the state after the key's whole pages. Its ownership passes to the tree: kept by
+        the node ending at the key when that node has no device state yet, freed otherwise."""
+        mamba_value = params.mamba_value
         if mamba_value is not None:
             mamba_value = as_cpu_index(mamba_value, "mamba_value")
             if mamba_value.numel() != 1:
                 raise ValueError(f"mamba_value must be one slot, got {mamba_value.numel()}")
+            if params.key is not None and len(params.key) % self.page_size:
+                # the state follows the whole key; a node can only end on a page boundary
+                raise ValueError(f"insert with a mamba_value needs whole pages: the key has {len(params.key)} "
+                                 f"tokens, page_size {self.page_size}")
         self._pending_mamba = mamba_value
         try:
-            return super().insert(key, value, chunked)
+            return super().insert(params)
         finally:
             if self._pending_mamba is not None:  # insert failed before adopting it
                 self._pending_mamba = None
@@ -130,7 +139,7 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             return super().cache_finished_req(req, is_insert)
         key, kv, n = self._request_key_and_slots(req)
         start = len(req.prefix_indices)
-        prefix_len = self.insert(key, kv[:n], mamba_value=slot)
+        prefix_len = self.insert(InsertParams(key=key, value=kv[:n], mamba_value=slot)).prefix_len
         if prefix_len > start:
             self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
         self._free_request_slots(kv[n:])
@@ -182,12 +191,12 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             transfers.append(L2Transfer(MAMBA, torch.cat([n.mamba_host_value for n in stateful]), device[MAMBA]))
         return transfers
 
-    def evict_mamba(self, num_states: int) -> int:
-        """Free at least ``num_states`` device Mamba slots by evicting unlocked device leaves
-        (their KV goes too). Returns the states freed."""
-        if num_states < 0:
-            raise ValueError(f"evict_mamba: num_states must be >= 0, got {num_states}")
-        return self._evict_device_nodes({MAMBA: num_states}).get(MAMBA, 0) if num_states else 0
+    def _evict(self, params: EvictParams) -> EvictResult:
+        """``evict``: free at least ``num_tokens`` device KV slots and ``mamba_num`` device Mamba
+        states, in one pass over unlocked device leaves (a leaf's KV and state go together)."""
+        deficits = {self.KV: params.num_tokens, MAMBA: params.mamba_num}
+        freed = self._evict_device_nodes(deficits) if params.num_tokens or params.mamba_num else {}
+        return EvictResult(freed.get(self.KV, 0), freed.get(MAMBA, 0))
 
     # ---- integrity ---------------------------------------------------------------------------
     def _check_node(self, node: TreeNode) -> None:

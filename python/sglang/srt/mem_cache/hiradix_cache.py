@@ -29,6 +29,7 @@ import logging
 import torch
 
 from sglang.srt.managers.cache_controller import HiCacheController, L2Transfer, Tier
+from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
 from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY
@@ -38,7 +39,8 @@ from sglang.srt.mem_cache.radix.page_hash import page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
-from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices
+from sglang.srt.mem_cache.radix.events import StorageMedium
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode, empty_indices
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         node.value = value.clone()  # evicted (insert asks only then): the recomputed KV comes back
         node.parent.device_children += 1
         self.evictable_size_ += value.numel()
+        if self.kv_events is not None:
+            self.kv_events.stored(node)
         return True
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
@@ -298,12 +302,14 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
 
     def _new_host_leaf(self, parent: TreeNode, key: RadixKey, host: torch.Tensor, now: int) -> TreeNode:
         """A host-only child of ``parent`` holding ``host`` (host slots of ``key``)."""
-        leaf = TreeNode(parent, key.copy())
+        leaf = TreeNode(parent=parent, key=key.copy())
         leaf.host_value = host.clone()
         leaf.hash_value = page_hashes(leaf.key.ids, self.page_size, leaf.prior_hash())
         leaf.last_access_time = now
         self._attach(parent, leaf)
         self._add_host_leaf(leaf)
+        if self.kv_events is not None:
+            self.kv_events.stored(leaf, StorageMedium.CPU)
         return leaf
 
     # ---- load back ---------------------------------------------------------------------------
@@ -353,6 +359,8 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
             n.parent.device_children += 1
             off += len(n.key)
             self.evictable_size_ += len(n.key)
+            if self.kv_events is not None:
+                self.kv_events.stored(n)
         self._device_candidates[chain[-1].id] = chain[-1]  # its children are host-only
         return [L2Transfer(self.KV, torch.cat([n.host_value for n in chain]), device[self.KV])]
 

@@ -6,12 +6,21 @@ array compared in bulk (``radix_key.py``), so no operation loops over tokens in 
 node carries its page-hash chain (``page_hash.py``), seeded by ``namespace_hash(extra_key)``;
 a split slices the hash list and never rehashes. The tree passes slot indices around and never touches KV bytes.
 
+Calls take upstream's records (``base_prefix_cache``): ``match_prefix(MatchPrefixParams(key=))``,
+``insert(InsertParams(key=, value=))`` -> ``InsertResult``, ``evict(EvictParams(num_tokens=))`` ->
+``EvictResult``.
+
 Ownership: slots handed to ``insert`` become the tree's, except the leading ``prefix_len``
-tokens it already held (the caller frees those duplicates). ``evict`` returns slots of unlocked
-leaves to the allocator. ``inc_lock_ref`` / ``dec_lock_ref`` protect a node and its ancestors.
+tokens it already held (the caller frees those duplicates) and a trailing partial page (never
+inserted). ``evict`` returns slots of unlocked leaves to the allocator. ``inc_lock_ref`` /
+``dec_lock_ref`` protect a node and its ancestors.
+
+KV events (``enable_kv_cache_events``): ``BlockStored`` for each page a new leaf brings,
+``BlockRemoved`` for an evicted leaf's pages, ``AllBlocksCleared`` on reset; ``take_events``
+drains them. With events off ``kv_events`` is None and recording costs one attribute test.
 
 Request bookkeeping (``cache_finished_req`` / ``cache_unfinished_req``) is in
-``radix_requests.py``.
+``radix/requests.py``.
 """
 
 from __future__ import annotations
@@ -22,43 +31,94 @@ from typing import Iterable, Iterator
 
 import torch
 
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
 from sglang.srt.mem_cache.evict_policy import EvictionPolicy, eviction_priority
+from sglang.srt.mem_cache.radix.events import KVCacheEventRecorder
+from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition, check_tree_nodes
 from sglang.srt.mem_cache.radix.page_hash import page_hashes
 from sglang.srt.mem_cache.radix.radix_key import common_prefix_len
 from sglang.srt.mem_cache.radix.requests import RequestCacheMixin
-from sglang.srt.mem_cache.radix.tree_node import MatchResult, RadixKey, TreeNode, empty_indices, new_stamp
+from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode, empty_indices, new_stamp
 from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
+
+__all__ = ["RadixCache", "RadixKey", "TreeNode"]
 
 logger = logging.getLogger(__name__)
 
 
-class RadixCache(RequestCacheMixin):
-    def __init__(self, params: CacheInitParams):
+class _DiscardSlots:
+    """Where a simulated tree without an allocator frees slots to: nowhere."""
+
+    device = torch.device("cpu")
+
+    def free(self, slots, trusted: bool = False) -> None:
+        pass
+
+    def available_size(self) -> int:
+        return 0
+
+
+class RadixCache(RequestCacheMixin, BasePrefixCache):
+    """``simulated``: a tree without pools (``create_simulated``): slot values are opaque (not
+    checked against pages), ``insert`` also takes ``value=None``, and the allocator may be
+    None or any object with ``free`` / ``available_size``."""
+
+    def __init__(self, params: CacheInitParams, *, simulated: bool = False):
         if not isinstance(params, CacheInitParams):
             raise TypeError(f"params must be a CacheInitParams, got {type(params).__name__}")
         self.params = params
         self.page_size = params.page_size
         self.disable = params.disable
+        self.simulated = simulated
+        self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         alloc = self.token_to_kv_pool_allocator
-        if alloc is None and not self.disable:
+        if simulated:
+            if alloc is None:
+                self.token_to_kv_pool_allocator = _DiscardSlots()
+        elif alloc is None and not self.disable:
             raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required unless disable=True")
-        if alloc is not None and alloc.page_size != self.page_size:
+        elif alloc is not None and alloc.page_size != self.page_size:
             raise ValueError(f"allocator page_size {alloc.page_size} != CacheInitParams.page_size {self.page_size}")
+        # Slot tensors the tree hands out (match results, node values) are CPU int64 whatever
+        # the pool's device: the device is the pool's business.
+        self.device = torch.device("cpu")
+        self.enable_kv_cache_events = params.enable_kv_cache_events
+        on = self.enable_kv_cache_events and not self.disable
+        self.kv_events = KVCacheEventRecorder(self.page_size) if on else None
         self.eviction_policy = EvictionPolicy.parse(params.eviction_policy)
         self._priority = eviction_priority(self.eviction_policy)
         self._clock = 0
         self._new_root()
 
+    @classmethod
+    def create_simulated(cls, disable: bool = False, mock_allocator=None, page_size: int = 1,
+                         enable_kv_cache_events: bool = False) -> "RadixCache":
+        """A tree without memory pools, for tests and simulations (upstream's): what eviction
+        frees goes to ``mock_allocator`` (nowhere when None)."""
+        params = CacheInitParams(disable=disable, token_to_kv_pool_allocator=mock_allocator, page_size=page_size,
+                                 enable_kv_cache_events=enable_kv_cache_events)
+        return cls(params, simulated=True)
+
     # ---- tree basics -----------------------------------------------------------------------
     def _new_root(self) -> None:
-        self.root_node = TreeNode()
+        self.root_node = TreeNode(key=RadixKey(()))
         self.root_node.value = empty_indices()
+        self.root_node.hash_value = []
         self.root_node.lock_ref = 1
         self.evictable_size_ = 0
         self.protected_size_ = 0
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     def reset(self) -> None:
         """Drop every node and return its slots to the allocators. ValueError while a request
@@ -122,7 +182,7 @@ class RadixCache(RequestCacheMixin):
         values and hashes are sliced at the same offset; locks and counters are copied; the
         lower part keeps its id (acks refer to it) and its Mamba state (the state at its end)."""
         pages = split_len // self.page_size
-        new = TreeNode(child.parent, child.key[:split_len].copy())
+        new = TreeNode(parent=child.parent, key=child.key[:split_len].copy())
         for attr in ("lock_ref", "host_ref_counter", "hit_count", "access_count", "last_access_time"):
             setattr(new, attr, getattr(child, attr))
         if child.value is not None:
@@ -143,13 +203,16 @@ class RadixCache(RequestCacheMixin):
             raise TypeError(f"key must be a RadixKey, got {type(key).__name__}")
         return key
 
-    def match_prefix(self, key: RadixKey) -> MatchResult:
-        """Longest cached prefix of ``key`` in whole pages (a trailing partial page never matches).
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Longest cached prefix of ``params.key`` in whole pages (a trailing partial page never
+        matches).
 
         Mutates: splits the node where the match ends mid-node; refreshes access time and
         count of matched nodes. On a miss: empty ``device_indices`` and the root as last nodes.
         """
-        key = self._check_key(key)
+        if type(params) is not MatchPrefixParams:
+            raise TypeError(f"match_prefix takes MatchPrefixParams(key=...), got {type(params).__name__}")
+        key = self._check_key(params.key)
         key = key[: len(key) // self.page_size * self.page_size]
         if self.disable or not len(key):
             return MatchResult(empty_indices(), self.root_node, self.root_node, 0)
@@ -193,19 +256,41 @@ class RadixCache(RequestCacheMixin):
         check_page_aligned(slots, self.page_size, slots_name)
         return key, slots
 
-    def _check_insert(self, key, value) -> tuple[RadixKey, torch.Tensor]:
-        if self.disable:
-            raise ValueError("insert into a disabled cache")
+    def _check_insert(self, params: InsertParams) -> tuple[RadixKey, torch.Tensor]:
+        """The whole pages of ``params.key`` and their slots; TypeError / ValueError for a
+        missing key, a value of another length, or (real trees) slots that are not whole pages."""
+        if type(params) is not InsertParams:
+            raise TypeError(f"insert takes InsertParams(key=..., value=...), got {type(params).__name__}")
+        key, value = self._check_key(params.key), params.value
+        if value is None:
+            if not self.simulated:
+                raise TypeError("insert: InsertParams.value (one device slot per token) is required")
+            value = torch.tensor(key.ids, dtype=torch.int64)  # a copy: the ids are read-only
+        n = len(key) // self.page_size * self.page_size
+        if self.simulated:
+            value = as_cpu_index(value, "insert value")
+            if value.numel() != len(key):
+                raise ValueError(f"insert value has {value.numel()} slots for a key of {len(key)} tokens")
+            return key[:n], value[:n]
+        if n != len(key):  # the partial last page stays the caller's
+            key, value = key[:n], value[:n]
         return self._check_paged_slots(key, value, "insert", "insert value", "slots")
 
-    def insert(self, key: RadixKey, value: torch.Tensor, chunked: bool = False) -> int:
-        """Cache ``key`` (whole pages) with device slots ``value`` (one per token).
+    def insert(self, params: InsertParams) -> InsertResult:
+        """Cache the whole pages of ``params.key`` with device slots ``params.value`` (one per
+        token; a trailing partial page is not inserted and its slots stay the caller's).
 
-        Returns the number of leading tokens the tree already held on device: the caller still
-        owns ``value[:returned]`` and must free those duplicates; the rest now belongs to the
-        tree. ``chunked``: an insert of a chunked prefill, which does not count as a hit.
+        Returns ``InsertResult(prefix_len)``: the leading tokens the tree already held on device.
+        The caller still owns ``value[:prefix_len]`` and must free those duplicates; the rest of
+        the whole pages now belongs to the tree. ``params.chunked``: an insert of a chunked
+        prefill, which does not count as a hit. A disabled tree takes nothing (prefix_len 0).
         """
-        key, value = self._check_insert(key, value)
+        if self.disable:
+            return InsertResult(0)
+        return InsertResult(self._insert(*self._check_insert(params), params.chunked))
+
+    def _insert(self, key: RadixKey, value: torch.Tensor, chunked: bool) -> int:
+        """``insert`` of checked whole pages; returns ``prefix_len``."""
         node, pos, now, prefix_len, adopting = self.root_node, 0, self._tick(), 0, False
         touched: list[tuple[TreeNode, bool]] = []
         while pos < len(key):
@@ -237,12 +322,14 @@ class RadixCache(RequestCacheMixin):
         """Hook: the nodes of an insert path, root first, with whether each is new."""
 
     def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, now: int) -> TreeNode:
-        node = TreeNode(parent, key.copy())
+        node = TreeNode(parent=parent, key=key.copy())
         node.value = value.clone()
         node.hash_value = page_hashes(node.key.ids, self.page_size, node.prior_hash())
         node.last_access_time, node.access_count = now, 1
         self._attach(parent, node)
         self.evictable_size_ += len(key)
+        if self.kv_events is not None:
+            self.kv_events.stored(node)
         return node
 
     # ---- eviction --------------------------------------------------------------------------
@@ -253,6 +340,8 @@ class RadixCache(RequestCacheMixin):
         """Hook: evict one unlocked device leaf; return the device tokens freed."""
         self.token_to_kv_pool_allocator.free(node.value, trusted=True)  # validated at insert
         self.evictable_size_ -= len(node.value)
+        if self.kv_events is not None:
+            self.kv_events.removed(node)
         self._delete_leaf(node)
         return len(node.key)
 
@@ -260,13 +349,21 @@ class RadixCache(RequestCacheMixin):
         del node.parent.children[node.key.child_key(0, self.page_size)]  # _child_key, inline
         node.stamp = new_stamp()  # gone: a match through it is stale
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device slots from unlocked leaves, policy order first.
+    def evict(self, params: EvictParams) -> EvictResult:
+        """Free at least ``params.num_tokens`` device slots from unlocked leaves, policy order
+        first. Returns the device tokens freed (less when not enough is evictable)."""
+        if type(params) is not EvictParams:
+            raise TypeError(f"evict takes EvictParams(num_tokens=...), got {type(params).__name__}")
+        return self._evict(params)
 
-        Returns the number of device tokens freed (less when not enough is evictable).
-        """
-        if num_tokens < 0:
-            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+    def _evict(self, params: EvictParams) -> EvictResult:
+        """Hook: ``evict`` of checked params (hybrid trees also evict Mamba states)."""
+        if params.mamba_num:
+            raise ValueError(f"{type(self).__name__} holds no Mamba states: EvictParams.mamba_num must be 0")
+        return EvictResult(self._evict_tokens(params.num_tokens))
+
+    def _evict_tokens(self, num_tokens: int) -> int:
+        """Hook: free at least ``num_tokens`` device slots; returns the slots freed."""
         if self.disable or num_tokens == 0:
             return 0
         heap = [(self._priority(n), n) for n in self._all_nodes() if self._is_device_leaf(n)]
@@ -349,6 +446,23 @@ class RadixCache(RequestCacheMixin):
         """Device tokens in the tree."""
         return self.evictable_size_ + self.protected_size_
 
+    def all_values_flatten(self) -> torch.Tensor:
+        """Every device slot the tree holds, one int64 tensor (nodes in no particular order)."""
+        values = [n.value for n in self._all_nodes() if n.value is not None]
+        return torch.cat(values) if values else empty_indices()
+
+    def pretty_print(self) -> None:
+        """Print the tree, one node a line indented by depth (tokens, tiers, locks), then the
+        device total."""
+        stack = [(self.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node is not self.root_node:
+                tiers = "".join(t for t, v in (("D", node.value), ("H", node.host_value)) if v is not None)
+                print(f"{'  ' * (depth - 1)}{node.key!r} [{tiers or '-'}] lock_ref={node.lock_ref} id={node.id}")
+            stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))
+        print(f"#tokens on device: {self.total_size()}")
+
     # ---- integrity -------------------------------------------------------------------------
     def _check_node(self, node: TreeNode) -> None:
         """Hook: per-node invariants of a subclass."""
@@ -360,7 +474,7 @@ class RadixCache(RequestCacheMixin):
         tree, or in ``request_device_indices`` (slots held by running requests), and every node
         is consistent (key, value and hash lengths, hash chain, lock counts, size counters)."""
         check_tree_nodes(self, check_hashes)
-        if self.disable:
+        if self.disable or self.simulated:  # no pool to account a simulated tree's values against
             return
         owners = {"tree": [n.value for n in self._all_nodes()], "requests": list(request_device_indices)}
         check_slot_partition("device pool", self.token_to_kv_pool_allocator, owners)

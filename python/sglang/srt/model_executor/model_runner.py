@@ -84,7 +84,7 @@ class ModelRunner:
         self.state_pool = None
         if layout.state is not None:
             self.state_pool = layout.state.build(self.state_pool_slots(), 1, self.device)
-        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, self.token_to_kv_pool)
+        self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, kvcache=self.token_to_kv_pool)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests, mc.context_len, self.device)
         logger.info(
             "KV pools: %d tokens (page %d), %s, %.1f MiB; %d request slots x context %d",

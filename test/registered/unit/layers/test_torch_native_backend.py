@@ -30,7 +30,7 @@ class Harness:
 
     def __init__(self, page_size=1, key_block=8, q_block=5, size=512, num_layers=1):
         pool = MHATokenToKVPool(size, page_size, torch.float32, KV_HEADS, HEAD_DIM, num_layers, DEVICE)
-        self.allocator = PagedTokenToKVPoolAllocator(size, page_size, pool)
+        self.allocator = PagedTokenToKVPoolAllocator(size, page_size, kvcache=pool)
         self.runner = SimpleNamespace(
             device=torch.device(DEVICE),
             token_to_kv_pool=pool,

@@ -12,6 +12,7 @@ require_cuda()  # collect-safe on CPU: the module skips where CUDA is absent
 import torch  # noqa: E402
 from tree_fixtures import assert_kv, expected_kv, make_hicache, start_request  # noqa: E402
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.controller.transfer_lane import StreamLane  # noqa: E402
 from sglang.srt.mem_cache.radix.tree_node import RadixKey  # noqa: E402
@@ -44,7 +45,7 @@ def test_tree_round_trip_on_cuda(layout, io_backend):
     tokens = [1, 2, 3, 4, 5, 6]
     h.cache_finished_req(start_request(h, tokens))
     settle(h)
-    assert h.evict(6) == 6
+    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6
     pool.clear()
     r = start_request(h, tokens + [7, 8])
     assert r.loaded == 6
@@ -62,10 +63,10 @@ def test_layer_zero_is_usable_before_the_last_layer_arrives_on_cuda():
                      device="cuda")
     h.cache_finished_req(start_request(h, tokens))
     settle(h)
-    h.evict(100)
+    h.evict(EvictParams(num_tokens=100))
     pool = h.token_to_kv_pool_allocator.get_kvcache()
     pool.clear()
-    m = h.match_prefix(RadixKey(tokens))
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     got = h.init_load_back(m.last_host_node, m.host_hit_length)
     producer = h.ready_to_load_host_cache()
     counter = h.cache_controller.layer_done_counter

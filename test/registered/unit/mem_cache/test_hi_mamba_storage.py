@@ -13,6 +13,7 @@ from tree_fixtures import MambaL3Env as Env
 from tree_fixtures import mamba_l3_filled as filled
 from tree_fixtures import snapshot
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -26,7 +27,7 @@ def test_kv_and_state_round_trip_through_l3(tmp_path, backend, layout):
     stats = env.l3()
     backed_up = (stats["backup_pages_submitted"], stats["backup_states_submitted"], stats["backup_states_failed"])
     assert backed_up == (4, 2, 0)
-    assert env.tree.match_prefix(RadixKey(AB)).host_hit_length == 0
+    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0
     assert env.prefetch(AB) == len(AB)
     m, slots, end = env.load_back(AB)
     assert m.host_hit_length == len(AB) and end.mamba_value is not None
@@ -47,7 +48,7 @@ def test_a_missing_state_trims_the_hit_to_the_last_page_with_a_state(tmp_path):
     env.prefetch(AB)
     assert env.l3()["prefetch_pages_found"] == 2  # KV has 4 pages, a state only after page 2
     m, slots, end = env.load_back(AB)
-    assert m.host_hit_length == len(A) and end.key.token_ids == tuple(A)
+    assert m.host_hit_length == len(A) and end.key.token_ids == list(A)
     got = snapshot(env.kv, slots)
     assert all(torch.equal(got[c], kv_ab[c][:, : len(A)]) for c in kv_ab)
     got_state = snapshot(env.mamba, end.mamba_value)
@@ -56,7 +57,7 @@ def test_a_missing_state_trims_the_hit_to_the_last_page_with_a_state(tmp_path):
     env.flush()
     env.state_file(hashes[1]).unlink()  # no state at all: the KV-only hit is refused
     env.prefetch(AB, rid="r2")
-    assert env.tree.match_prefix(RadixKey(AB)).host_hit_length == 0 and list(env.tree.root_node.children) == []
+    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0 and list(env.tree.root_node.children) == []
     assert env.mamba_host.available_size() == env.mamba_host.size
     env.close()
 
@@ -70,7 +71,7 @@ def test_a_state_that_fails_to_read_refuses_the_hit(tmp_path):
     env.prefetch(AB)
     stats = env.l3()
     assert (stats["prefetch_pages_found"], stats["prefetch_state_misses"], stats["prefetch_pages_loaded"]) == (4, 1, 0)
-    assert env.tree.match_prefix(RadixKey(AB)).host_hit_length == 0  # KV arrived, but not without its state
+    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0  # KV arrived, but not without its state
     env.tree.check_integrity()
     assert env.controller.mem_pool_host.available_size() == env.controller.mem_pool_host.size
     assert env.mamba_host.available_size() == env.mamba_host.size
@@ -84,9 +85,9 @@ def test_prefetch_under_device_nodes_without_host_copies(tmp_path):
     filler.close()
     env = Env(tmp_path, write_policy="write_back", seed=3)  # same bytes for A as the filler's
     env.insert(A)
-    a = env.tree.match_prefix(RadixKey(A)).last_device_node
+    a = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_device_node
     assert not a.backuped
-    m = env.tree.match_prefix(RadixKey(AB))
+    m = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB)))
     assert m.last_host_node is a
     assert env.prefetch(AB[len(A):], node=a) == len(AB)  # the climb asks for A too
     assert a.backuped and a.mamba_host_value is None and not a.evicted
@@ -126,7 +127,7 @@ def test_insert_host_takes_or_frees_the_state(tmp_path):
     host = kv_host.alloc(4)
     first, second = env.mamba_host.alloc(1), env.mamba_host.alloc(1)
     assert env.tree.insert_host(RadixKey(A), host, mamba_host_value=first) == 0
-    node = env.tree.match_prefix(RadixKey(A)).last_host_node
+    node = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_host_node
     assert node.mamba_host_value.tolist() == first.tolist() and node.host_value.tolist() == host.tolist()
     again = kv_host.alloc(4)
     assert env.tree.insert_host(RadixKey(A), again, mamba_host_value=second) == 4  # already held

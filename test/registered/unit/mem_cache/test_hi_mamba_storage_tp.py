@@ -20,6 +20,7 @@ import pytest
 import torch
 from tree_fixtures import MAMBA_A, MAMBA_AB, mamba_l3_filled, snapshot
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.multiprocess import run_ranks
@@ -40,7 +41,7 @@ def scenario(rank, group, tmp, name) -> dict:
             env.state_file(hashes[page]).unlink()
         torch.distributed.barrier(group)
         env.prefetch(MAMBA_AB)
-        hit = env.tree.match_prefix(RadixKey(MAMBA_AB)).host_hit_length
+        hit = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(MAMBA_AB))).host_hit_length
         bytes_ok = None
         if hit:
             _, slots, end = env.load_back(MAMBA_AB)

@@ -15,6 +15,7 @@ import pytest
 from storage_test_backends import scripted_extra
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.storage_ops import PrefetchState
 from sglang.srt.mem_cache.controller.storage_settings import StorageSettings
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -65,7 +66,7 @@ def prefetch_and_wait(h, tokens, rid="r"):
     assert h.prefetch_from_storage(rid, h.root_node, tokens) == len(tokens) // h.page_size * h.page_size
     polls = []
     wait_for(h, lambda: polls.append(1) or h.check_prefetch_progress(rid), "the prefetch to end")
-    return h.match_prefix(RadixKey(tokens)).host_hit_length, len(polls)
+    return h.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).host_hit_length, len(polls)
 
 
 def filled(tmp_path, tokens=T, **kwargs):
@@ -74,7 +75,7 @@ def filled(tmp_path, tokens=T, **kwargs):
     serve(h, tokens)
     settle(h)
     h.reset()
-    assert h.match_prefix(RadixKey(tokens)).host_hit_length == 0
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).host_hit_length == 0
     return h
 
 
@@ -107,7 +108,7 @@ def test_best_effort_returns_what_arrived_when_asked(tmp_path):
         wait_for(h, lambda: op.completed_pages >= 128, "the first chunk")
         assert backend.wait_hanging(DEADLINE_S)  # the second read is held
         assert h.check_prefetch_progress("r") is True  # asked now: stops with what is there
-        hit = h.match_prefix(RadixKey(T)).host_hit_length
+        hit = h.match_prefix(MatchPrefixParams(key=RadixKey(T))).host_hit_length
         assert hit == 128  # the whole chunk that arrived, not the 300 still coming
         h.check_integrity()  # the rest of the reservation is held until its read returns
     finally:
@@ -174,7 +175,7 @@ def test_backup_stores_only_pages_missing_from_l3(tmp_path):
     settle(h)
     stats = l3(h)
     assert (stats["backup_pages_existing"], stats["backup_pages_submitted"], stats["pages_written"]) == (100, 301, 301)
-    node = h.match_prefix(RadixKey(T + [9])).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey(T + [9]))).last_device_node
     assert h.write_backup_storage(node) == len(node.hash_value)  # an explicit backup: all there already
     settle(h)
     assert (l3(h)["backup_pages_existing"], l3(h)["pages_written"]) == (100 + len(node.hash_value), 301)
@@ -187,7 +188,7 @@ def test_backup_covers_a_node_split_between_write_and_ack(tmp_path):
     A = list(range(1, 13))
     r = start_request(h, A)
     h.cache_finished_req(r)  # host write queued, not acknowledged yet
-    h.match_prefix(RadixKey(A[:4]))  # splits the node being written
+    h.match_prefix(MatchPrefixParams(key=RadixKey(A[:4])))  # splits the node being written
     settle(h)
     assert l3(h)["backup_pages_submitted"] == 6
     h.reset()
@@ -199,7 +200,7 @@ def test_write_back_policy_backs_up_to_l3_on_eviction(tmp_path):
     serve(h, T)
     settle(h)
     assert l3(h)["backup_ops"] == 0  # not on host yet
-    assert h.evict(300) == 300
+    assert h.evict(EvictParams(num_tokens=300)).num_tokens_evicted == 300
     settle(h)
     assert l3(h)["pages_written"] == 300
     h.reset()
@@ -227,7 +228,7 @@ def test_flush_or_abort_with_reads_in_flight_returns_every_slot(tmp_path, end):
         h.check_hicache_events()  # the read returned: the reservation is freed
     assert host.available_size() == 1024 and h.cache_controller.held_host_indices() == []
     h.check_integrity()
-    assert h.match_prefix(RadixKey(T)).host_hit_length == 0
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey(T))).host_hit_length == 0
     h.cache_controller.close()
 
 
@@ -261,7 +262,7 @@ def test_prefetch_arguments_are_checked(tmp_path):
     h = cache(tmp_path, page_size=2)
     r = serve(h, list(range(1, 9)))
     settle(h)  # its L3 backup (which pins it too) is done
-    node = h.match_prefix(RadixKey(list(range(1, 9)))).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey(list(range(1, 9))))).last_device_node
     with pytest.raises(ValueError, match="last_hash is not the last page hash"):
         h.prefetch_from_storage("x", node, T, last_hash="0" * 64)
     with pytest.raises(ValueError, match="extra_key 'lora' differs"):

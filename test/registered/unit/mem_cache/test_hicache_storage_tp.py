@@ -22,6 +22,7 @@ from storage_test_backends import scripted_extra
 from tree_fixtures import make_hicache, params_for, pattern_matches, start_request, write_pattern
 
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -70,7 +71,7 @@ def settle(h):
 
 def serve(h, tokens, salt, rid) -> dict:
     """What the scheduler does for one request, L3 prefetch included; checks the bytes."""
-    m = h.match_prefix(RadixKey(tokens))
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     matched = m.device_indices.numel() + m.host_hit_length
     h.prefetch_from_storage(rid, m.last_host_node, tokens[matched:])
     deadline = time.monotonic() + PREFETCH_DEADLINE_S

@@ -5,6 +5,7 @@ import pytest
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
 from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -38,15 +39,15 @@ def test_write_through_device_host_device_with_bytes():
     pool = h.token_to_kv_pool_allocator.get_kvcache()
     r = run(h, A)
     assert r.kv_indices.tolist() == [2, 3, 4, 5, 6, 7]
-    node = h.match_prefix(RadixKey(A)).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_device_node
     assert node.host_value.tolist() == [0, 1, 2, 3, 4, 5]
     assert node.lock_ref == 1 and h.protected_size() == 6  # locked until the write is acked
     settle(h)
     assert node.lock_ref == 0 and h.evictable_size() == 6
-    assert h.evict(6) == 6 and node.evicted and sizes(h) == (8, 10)
+    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6 and node.evicted and sizes(h) == (8, 10)
     pool.buffers["k"].zero_()
     pool.buffers["v"].zero_()
-    m = h.match_prefix(RadixKey(A + [7, 8]))
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(A + [7, 8])))
     assert (m.device_indices.numel(), m.host_hit_length, m.last_host_node) == (0, 6, node)
     assert m.last_device_node is h.root_node
     r2 = start_request(h, A + [7, 8])
@@ -64,15 +65,15 @@ def test_write_through_selective_backs_up_on_the_second_hit():
     h = make_hicache(page_size=2, device_pages=6, host_pages=8, write_policy="write_through_selective")
     run(h, A)
     settle(h)
-    node = h.match_prefix(RadixKey(A)).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_device_node
     assert not node.backuped and sizes(h)[1] == 16
     run(h, A + [7, 8])
     settle(h)
     assert node.host_value.tolist() == [0, 1, 2, 3, 4, 5]
-    leaf = h.match_prefix(RadixKey(A + [7, 8])).last_device_node
+    leaf = h.match_prefix(MatchPrefixParams(key=RadixKey(A + [7, 8]))).last_device_node
     assert leaf is not node and not leaf.backuped
-    assert h.evict(100) == 8  # [7, 8] has no host copy: dropped; A keeps its host copy
-    m = h.match_prefix(RadixKey(A + [7, 8]))
+    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 8  # [7, 8] has no host copy: dropped; A keeps its host copy
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(A + [7, 8])))
     assert (m.host_hit_length, m.last_host_node) == (6, node)
     h.check_integrity()
 
@@ -82,9 +83,9 @@ def test_write_back_backs_up_only_when_evicting():
     pool = h.token_to_kv_pool_allocator.get_kvcache()
     run(h, A)
     settle(h)
-    node = h.match_prefix(RadixKey(A)).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_device_node
     assert not node.backuped and sizes(h) == (2, 16)
-    assert h.evict(2) == 6  # the whole leaf goes, backed up first
+    assert h.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 6  # the whole leaf goes, backed up first
     assert node.evicted and node.host_value.tolist() == [0, 1, 2, 3, 4, 5] and sizes(h) == (8, 10)
     pool.buffers["k"].zero_()
     r = start_request(h, A)
@@ -100,11 +101,11 @@ def test_evict_host_drops_least_recent_host_only_leaves_first():
     run(h, [1, 2, 3, 4])
     run(h, [5, 6, 7, 8])
     settle(h)
-    h.match_prefix(RadixKey([5, 6, 7, 8]))  # [5..8] is now the more recent
-    assert h.evict(100) == 8 and sizes(h) == (16, 8)
+    h.match_prefix(MatchPrefixParams(key=RadixKey([5, 6, 7, 8])))  # [5..8] is now the more recent
+    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 8 and sizes(h) == (16, 8)
     assert h.evict_host(2) == 4
-    assert h.match_prefix(RadixKey([1, 2, 3, 4])).host_hit_length == 0
-    assert h.match_prefix(RadixKey([5, 6, 7, 8])).host_hit_length == 4
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).host_hit_length == 0
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey([5, 6, 7, 8]))).host_hit_length == 4
     assert h.evict_host(100) == 4 and sizes(h) == (16, 16)
     assert not h.root_node.children
     h.check_integrity()
@@ -114,18 +115,18 @@ def test_full_host_refuses_backup_then_host_eviction_makes_room():
     h = make_hicache(page_size=2, device_pages=8, host_pages=3)
     run(h, A)
     settle(h)
-    first = h.match_prefix(RadixKey(A)).last_device_node
+    first = h.match_prefix(MatchPrefixParams(key=RadixKey(A))).last_device_node
     run(h, [9, 9])  # host has no room left: the backup is refused, nothing is locked
     settle(h)
-    second = h.match_prefix(RadixKey([9, 9])).last_device_node
+    second = h.match_prefix(MatchPrefixParams(key=RadixKey([9, 9]))).last_device_node
     assert first.backuped and not second.backuped and second.lock_ref == 0
-    h.evict(100)
-    gone = h.match_prefix(RadixKey([9, 9]))
+    h.evict(EvictParams(num_tokens=100))
+    gone = h.match_prefix(MatchPrefixParams(key=RadixKey([9, 9])))
     assert gone.device_indices.numel() == 0 and gone.host_hit_length == 0
     run(h, [7, 7, 7, 7])  # needs 4 host slots: the host-only A is evicted to make room
     settle(h)
-    assert h.match_prefix(RadixKey(A)).host_hit_length == 0
-    assert h.match_prefix(RadixKey([7, 7, 7, 7])).last_device_node.host_value.tolist() == [0, 1, 2, 3]
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey(A))).host_hit_length == 0
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey([7, 7, 7, 7]))).last_device_node.host_value.tolist() == [0, 1, 2, 3]
     h.check_integrity()
 
 
@@ -134,8 +135,8 @@ def test_recompute_refills_an_evicted_node():
     pool = h.token_to_kv_pool_allocator.get_kvcache()
     run(h, [1, 2, 3, 4])
     settle(h)
-    h.evict(100)
-    node = h.match_prefix(RadixKey([1, 2, 3, 4])).last_host_node
+    h.evict(EvictParams(num_tokens=100))
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_host_node
     r = start_request(h, [1, 2, 3, 4, 5, 6], load_back=False)
     assert r.prefix_indices.numel() == 0
     h.cache_finished_req(r)  # the evicted node adopts the recomputed slots
@@ -150,10 +151,10 @@ def test_load_back_refusals_leave_the_tree_intact():
     run(h, [1, 2])
     run(h, A)
     settle(h)
-    h.evict(100)
-    small = h.match_prefix(RadixKey([1, 2]))
+    h.evict(EvictParams(num_tokens=100))
+    small = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2])))
     assert h.init_load_back(small.last_host_node, small.host_hit_length) is None  # under the threshold
-    big = h.match_prefix(RadixKey(A))
+    big = h.match_prefix(MatchPrefixParams(key=RadixKey(A)))
     assert h.init_load_back(big.last_host_node, big.host_hit_length, mem_quota=4) is None
     hold = h.token_to_kv_pool_allocator.alloc(4)  # a running request holds 4 of 8 slots
     assert h.init_load_back(big.last_host_node, big.host_hit_length) is None  # 6 needed
@@ -172,9 +173,9 @@ def test_pages_fetched_into_fresh_host_slots_enter_as_host_only_nodes():
     host, pool = h.cache_controller.mem_pool_host, h.token_to_kv_pool_allocator.get_kvcache()
     run(h, [1, 2, 3, 4])
     settle(h)
-    old = h.match_prefix(RadixKey([1, 2, 3, 4])).last_device_node.host_value
+    old = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node.host_value
     fetched = [host.get_data_page(int(i)) for i in old[::2]]  # what a storage backend would return
-    h.evict(100)
+    h.evict(EvictParams(num_tokens=100))
     h.evict_host(100)
     fresh = host.alloc(4)
     for start, page in zip(fresh[::2].tolist(), fetched):
@@ -203,12 +204,12 @@ def test_bad_input():
     h = make_hicache(page_size=2, device_pages=4, host_pages=8)
     run(h, [1, 2])
     settle(h)
-    node = h.match_prefix(RadixKey([1, 2])).last_device_node
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2]))).last_device_node
     with pytest.raises(ValueError, match="not pinned"):
         h.release_host(node)
     with pytest.raises(ValueError, match=">= 0"):
         h.evict_host(-2)
-    h.evict(100)
+    h.evict(EvictParams(num_tokens=100))
     h.evict_host(100)
     with pytest.raises(ValueError, match="not in this tree"):
         h.init_load_back(node, 2)
@@ -225,8 +226,8 @@ def test_bad_input():
 def _evicted(h):
     run(h, [3, 4])
     settle(h)
-    h.evict(100)
-    return h.match_prefix(RadixKey([3, 4])).last_host_node
+    h.evict(EvictParams(num_tokens=100))
+    return h.match_prefix(MatchPrefixParams(key=RadixKey([3, 4]))).last_host_node
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tree_fixtures import assert_kv, held_pages, make_hicache, start_request
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -74,7 +75,7 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens_st, extra=extra_st)
     def match_and_load(self, tokens, extra):
-        m = self.h.match_prefix(RadixKey(tokens, extra))
+        m = self.h.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra)))
         n = m.device_indices.numel()
         assert_kv(self.pool, m.device_indices, tokens[:n], extra)
         if not m.host_hit_length:
@@ -99,7 +100,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         for rec in getattr(self, "remembered", {}).values():
             if not rec.is_current(self.h):
                 continue
-            fresh, kept = self.h.match_prefix(rec.key), rec.result
+            fresh, kept = self.h.match_prefix(MatchPrefixParams(key=rec.key)), rec.result
             assert fresh.path == kept.path
             assert torch.equal(fresh.device_indices, kept.device_indices)
             assert fresh.last_device_node is kept.last_device_node and fresh.last_host_node is kept.last_host_node
@@ -108,7 +109,7 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     @rule(num_tokens=st.integers(1, 16))
     def evict(self, num_tokens):
-        self.h.evict(num_tokens)
+        self.h.evict(EvictParams(num_tokens=num_tokens))
 
     @rule(num_tokens=st.integers(1, 16))
     def evict_host(self, num_tokens):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tree_fixtures import kv_mamba_stack, make_hicache
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller import transfer_lane
 from sglang.srt.mem_cache.allocator import PagedAllocator
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
@@ -31,10 +32,10 @@ def insert(h, tokens, shared=0):
     """Cache ``tokens`` on fresh slots (the first ``shared`` already cached: their duplicates go
     back to the allocator); returns the node the key ends in."""
     slots = h.token_to_kv_pool_allocator.alloc(len(tokens))
-    assert h.insert(RadixKey(tokens), slots) == shared
+    assert h.insert(InsertParams(key=RadixKey(tokens), value=slots)).prefix_len == shared
     if shared:
         h.token_to_kv_pool_allocator.free(slots[:shared])
-    return h.match_prefix(RadixKey(tokens)).last_device_node
+    return h.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
 
 
 def test_idle_check_issues_no_collective_and_a_pending_write_does():
@@ -69,7 +70,7 @@ def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
         h.check_hicache_events()
         assert nodes[-1].lock_ref == 0 and not h.ongoing_write_through
     assert lane.num_inline >= 1  # the first copy was measured on the worker, later ones ran here
-    assert h.evict(12) == 12 and all(n.evicted and n.backuped for n in nodes)  # host copies kept
+    assert h.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12 and all(n.evicted and n.backuped for n in nodes)  # host copies kept
     h.check_integrity()
     h.cache_controller.close()
 
@@ -77,7 +78,7 @@ def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
 def test_unchecked_lock_walks_match_the_checked_ones():
     h = make_hicache(page_size=P, device_pages=16, host_pages=32, write_policy="write_back")
     leaf = insert(h, [1, 2, 3, 4, 5, 6])
-    mid = h.match_prefix(RadixKey([1, 2, 3, 4])).last_device_node  # splits: leaf's parent
+    mid = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node  # splits: leaf's parent
     before = (h.evictable_size(), h.protected_size())
     assert h._lock_path(leaf) == -6 and h.inc_lock_ref(leaf) == 0  # leaf 2 tokens + mid 4
     assert (h.evictable_size(), h.protected_size()) == (before[0] - 6, before[1] + 6)
@@ -97,8 +98,8 @@ def test_host_eviction_keeps_policy_order_across_calls_and_skips_pinned_nodes():
     nodes = {name: insert(h, k) for name, k in keys.items()}
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(16) == 16 and all(n.evicted and n.backuped for n in nodes.values())
-    h.match_prefix(RadixKey(keys["b"]))  # b is now the most recent
+    assert h.evict(EvictParams(num_tokens=16)).num_tokens_evicted == 16 and all(n.evicted and n.backuped for n in nodes.values())
+    h.match_prefix(MatchPrefixParams(key=RadixKey(keys["b"])))  # b is now the most recent
     h.protect_host(nodes["a"])  # a, the oldest, is pinned
     order, freed = [], []
     for _ in range(4):
@@ -119,8 +120,8 @@ def test_host_eviction_heap_stays_bounded_without_host_evictions():
     for _ in range(200):  # device copy dropped and loaded back: a push each time, never a host eviction
         h.cache_controller.synchronize()
         h.check_hicache_events()
-        assert h.evict(4) == 4 and node.evicted
-        m = h.match_prefix(RadixKey(tokens + [9, 9]))
+        assert h.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4 and node.evicted
+        m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens + [9, 9])))
         assert m.host_hit_length == 4 and h.init_load_back(m.last_host_node, 4).numel() == 4
         h.ready_to_load_host_cache()
         h.cache_controller.synchronize()
@@ -135,7 +136,7 @@ def backed_up_host_leaves(h, keys):
     nodes = [insert(h, k) for k in keys]
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(sum(map(len, keys))) == sum(map(len, keys))
+    assert h.evict(EvictParams(num_tokens=sum(map(len, keys)))).num_tokens_evicted == sum(map(len, keys))
     assert all(n.evicted and n.backuped for n in nodes)
     return nodes
 
@@ -245,17 +246,17 @@ def test_device_eviction_reads_no_children_of_a_prefix_with_many_host_only_ones(
         insert(h, prefix + tail, shared=4 if i else 0)
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    top = h.match_prefix(RadixKey(prefix)).last_device_node
-    assert h.evict(80) == 80 and len(top.children) == 40 and top.device_children == 0
+    top = h.match_prefix(MatchPrefixParams(key=RadixKey(prefix))).last_device_node
+    assert h.evict(EvictParams(num_tokens=80)).num_tokens_evicted == 80 and len(top.children) == 40 and top.device_children == 0
     live = insert(h, prefix + [7, 8], shared=4)  # the prefix's one device child
     h.cache_controller.synchronize()
     h.check_hicache_events()
     assert top.device_children == 1 and not h._is_device_leaf(top)
     top.children = CountingChildren(top.children)
     CountingChildren.walks = 0
-    assert h.evict(2) == 2 and live.evicted  # the device leaf goes; the prefix becomes one
+    assert h.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 2 and live.evicted  # the device leaf goes; the prefix becomes one
     assert h._is_device_leaf(top) and h._device_candidates[top.id] is top
-    assert h.evict(4) == 4 and top.evicted  # and goes next, its 41 host-only children untouched
+    assert h.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4 and top.evicted  # and goes next, its 41 host-only children untouched
     assert CountingChildren.walks == 0
     h.check_integrity()
     h.cache_controller.close()
@@ -265,7 +266,7 @@ def test_integrity_check_catches_a_wrong_device_child_count_or_a_missing_candida
     h = make_hicache(page_size=P, device_pages=16, host_pages=32)
     leaf = insert(h, [1, 2, 3, 4, 5, 6])
     insert(h, [1, 2, 3, 4, 7, 8], shared=4)  # splits the leaf: a parent [1..4] with two device children
-    top = h.match_prefix(RadixKey([1, 2, 3, 4])).last_device_node
+    top = h.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).last_device_node
     assert top.device_children == 2 and leaf.parent is top
     h.cache_controller.synchronize()
     h.check_hicache_events()
@@ -288,15 +289,15 @@ def test_a_loaded_back_chain_is_a_device_eviction_candidate_again():
     node = insert(h, tokens)
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(6) == 6 and node.evicted
-    m = h.match_prefix(RadixKey(tokens + [9, 9]))
+    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6 and node.evicted
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens + [9, 9])))
     assert h.init_load_back(m.last_host_node, m.host_hit_length).numel() == 6
     assert h._device_candidates[node.id] is node and node.parent.device_children == 1
     h.ready_to_load_host_cache()
     h.cache_controller.synchronize()
     h.check_hicache_events()
     h.check_integrity()
-    assert h.evict(6) == 6 and node.evicted  # found without a walk of the tree
+    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6 and node.evicted  # found without a walk of the tree
     h.check_integrity()
     h.cache_controller.close()
 

@@ -7,6 +7,7 @@ import threading
 import pytest
 from tree_fixtures import expected_kv, make_hicache, start_request
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError, ThreadLane
@@ -48,10 +49,10 @@ def evicted_prefix(host_cls, tokens):
     h.cache_finished_req(r)
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(100) == len(tokens)
+    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == len(tokens)
     pool = h.token_to_kv_pool_allocator.get_kvcache()
     pool.clear()
-    m = h.match_prefix(RadixKey(tokens))
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     got = h.init_load_back(m.last_host_node, m.host_hit_length)
     return h, pool, got
 

@@ -4,6 +4,7 @@ and redone (with the fresh answer) after every change that could alter it."""
 import torch
 from tree_fixtures import make_hicache, make_radix
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix.match_reuse import match_prefix_reusing
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -16,7 +17,7 @@ P = 2
 def put(tree, tokens):
     alloc = tree.token_to_kv_pool_allocator
     slots = alloc.alloc(len(tokens))
-    alloc.free(slots[: tree.insert(RadixKey(tokens), slots)])
+    alloc.free(slots[: tree.insert(InsertParams(key=RadixKey(tokens), value=slots)).prefix_len])
     return slots
 
 
@@ -52,7 +53,7 @@ def test_unrelated_insert_keeps_it_a_deeper_path_redoes_it():
     put(tree, [1, 2, 3, 4, 5, 6])  # key can now go one page deeper
     fresh = match_prefix_reusing(tree, key, first)
     assert fresh is not first and fresh.result.device_indices.numel() == 6 and fresh.walked == 6
-    assert fresh.result.device_indices.tolist() == tree.match_prefix(key).device_indices.tolist()
+    assert fresh.result.device_indices.tolist() == tree.match_prefix(MatchPrefixParams(key=key)).device_indices.tolist()
 
 
 def test_split_evict_and_reset_redo_it():
@@ -60,12 +61,12 @@ def test_split_evict_and_reset_redo_it():
     put(tree, [1, 2, 3, 4, 5, 6])
     key = RadixKey([1, 2, 3, 4, 5, 6])
     first = match_prefix_reusing(tree, key, None)
-    tree.match_prefix(RadixKey([1, 2, 9, 9]))  # splits the node key walked through
+    tree.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 9, 9])))  # splits the node key walked through
     split = match_prefix_reusing(tree, key, first)
     assert split is not first and len(split.result.path) == 2
     assert split.result.device_indices.tolist() == first.result.device_indices.tolist()
     assert match_prefix_reusing(tree, key, split) is split
-    assert tree.evict(2) == 4  # the whole leaf [3, 4, 5, 6] leaves
+    assert tree.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 4  # the whole leaf [3, 4, 5, 6] leaves
     evicted = match_prefix_reusing(tree, key, split)
     assert evicted is not split and evicted.result.device_indices.numel() == 2
     tree.reset()
@@ -82,7 +83,7 @@ def test_hicache_eviction_to_host_and_load_back_redo_it():
     key = RadixKey([1, 2, 3, 4, 5])
     on_device = match_prefix_reusing(tree, key, None)
     assert on_device.result.device_indices.numel() == 4 and on_device.result.host_hit_length == 0
-    assert tree.evict(4) == 4
+    assert tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
     on_host = match_prefix_reusing(tree, key, on_device)
     assert on_host is not on_device
     assert on_host.result.device_indices.numel() == 0 and on_host.result.host_hit_length == 4

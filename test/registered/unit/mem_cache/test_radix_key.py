@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tree_fixtures import make_radix
 
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix.page_hash import hash_page, namespace_hash, page_hashes
 from sglang.srt.mem_cache.radix.radix_key import RadixKey, as_token_array, common_prefix_len
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -21,7 +22,7 @@ def test_key_from_list_array_and_tensor_is_one_readonly_int64_array():
     for source in ([5, 6, 7], (5, 6, 7), np.array([5, 6, 7], dtype=np.int32), torch.tensor([5, 6, 7])):
         key = RadixKey(source, "tenant")
         assert key.ids.dtype == np.int64 and key.ids.tolist() == [5, 6, 7]
-        assert key.token_ids == (5, 6, 7) and len(key) == 3 and key.extra_key == "tenant"
+        assert key.token_ids == [5, 6, 7] and len(key) == 3 and key.extra_key == "tenant"
         with pytest.raises(ValueError):
             key.ids[0] = 1  # read-only
     buf = np.arange(10, dtype=np.int64)
@@ -34,10 +35,19 @@ def test_key_from_list_array_and_tensor_is_one_readonly_int64_array():
 def test_slices_are_views_with_the_namespace():
     key = RadixKey(list(range(20)), "ns")
     part = key[4:12]
-    assert part.token_ids == tuple(range(4, 12)) and part.extra_key == "ns"
+    assert part.token_ids == list(range(4, 12)) and part.extra_key == "ns"
     assert np.shares_memory(part.ids, key.ids)
+    # upstream's indexing: key[i] is the one-token key at i, in the same namespace
+    assert key[3].token_ids == [3] and key[-1].token_ids == [19] and key[-1].extra_key == "ns"
+    assert list(key[:3]) == [0, 1, 2] and all(type(t) is int for t in key[:3])
+    with pytest.raises(IndexError):
+        key[20]
+    with pytest.raises(IndexError):
+        key[-21]
     with pytest.raises(TypeError):
-        key[3]
+        key["3"]
+    with pytest.raises(ValueError, match="step 1"):
+        key[::2]
 
 
 def test_bad_keys_are_refused():
@@ -120,16 +130,16 @@ def test_tree_match_equals_a_naive_reference(page_size, seqs, queries):
         if not seq:
             continue
         slots = alloc.alloc(len(seq))
-        dup = tree.insert(RadixKey(seq), slots)
+        dup = tree.insert(InsertParams(key=RadixKey(seq), value=slots)).prefix_len
         alloc.free(slots[:dup])
-        m = tree.match_prefix(RadixKey(seq))
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(seq)))
         assert m.device_indices.numel() == len(seq)
         for i in range(len(seq)):  # a slot belongs to the whole page prefix ending its page
             owner.setdefault((tuple(seq[: (i // page_size + 1) * page_size]), i), int(m.device_indices[i]))
         inserted.append(seq)
     tree.check_integrity()
     for q in queries + seqs:
-        m = tree.match_prefix(RadixKey(q))
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(q)))
         n = naive_match_len(inserted, q, page_size)
         assert m.device_indices.numel() == n
         want = [owner[(tuple(q[: (i // page_size + 1) * page_size]), i)] for i in range(n)]

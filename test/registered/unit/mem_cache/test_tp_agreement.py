@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 from tree_fixtures import make_hicache, start_request
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -52,7 +53,7 @@ def workload(h, die_at: int | None = None) -> list[tuple]:
             h.cache_finished_req(r)
         h.check_hicache_events()  # no synchronize: local progress differs, the agreed MIN does not
         if step % 3 == 2:
-            h.evict(6)
+            h.evict(EvictParams(num_tokens=6))
         records.append((step, hit, tuple(h.tree_signature()), h.agreement.num_calls))
     return records
 

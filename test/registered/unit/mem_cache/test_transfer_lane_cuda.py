@@ -16,6 +16,7 @@ require_cuda()
 import torch  # noqa: E402
 from tree_fixtures import make_hicache, start_request  # noqa: E402
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.layer_done_counter import NUM_EVENT_SETS, LayerDoneCounter  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.controller.transfer_lane import CudaEvent, HiCacheTransferError, StreamLane, make_lane  # noqa: E402
@@ -125,9 +126,9 @@ def test_failed_layer_copy_raises_in_the_waiter_and_on_check_on_cuda():
     h.cache_finished_req(start_request(h, tokens))
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(100) == len(tokens)
+    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == len(tokens)
     pool = h.token_to_kv_pool_allocator.get_kvcache()
-    m = h.match_prefix(RadixKey(tokens))
+    m = h.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
     h.init_load_back(m.last_host_node, m.host_hit_length)
     counter = h.cache_controller.layer_done_counter
     counter.set_consumer(h.ready_to_load_host_cache())

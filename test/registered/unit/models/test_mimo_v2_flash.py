@@ -225,7 +225,7 @@ def test_backend_window_and_sinks_match_dense_and_are_chunk_invariant(window):
 
     def fresh():
         pool = AsymmetricMHATokenToKVPool(256, page, torch.float32, KV_HEADS, HEAD_DIM, V_DIM, 1, DEVICE)
-        return pool, PagedTokenToKVPoolAllocator(256, page, pool), ReqToTokenPool(2, 64, DEVICE)
+        return pool, PagedTokenToKVPoolAllocator(256, page, kvcache=pool), ReqToTokenPool(2, 64, DEVICE)
 
     def run(state, prefix, rows, loc, backend):
         pool, _, req_to_token = state

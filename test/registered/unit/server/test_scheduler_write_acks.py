@@ -64,9 +64,9 @@ def count_evictions(sched, monkeypatch) -> list[int]:
     calls = []
     real = sched.tree_cache.evict
 
-    def evict(num_tokens):
-        calls.append(num_tokens)
-        return real(num_tokens)
+    def evict(params):
+        calls.append(params.num_tokens)
+        return real(params)
 
     monkeypatch.setattr(sched.tree_cache, "evict", evict)
     return calls

@@ -33,6 +33,7 @@ import logging
 import torch
 
 from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.events import StorageMedium
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.controller.hicache_config import WritePolicy
 from sglang.srt.mem_cache.pool_host.group import PoolName
@@ -107,12 +108,10 @@ class TierEvictionMixin:
         # stamp, and the property call costs as much as the rest of this test)
         return not (node is self.root_node or node._value is None or node.lock_ref or node.device_children)
 
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` device slots from unlocked device leaves (a node whose
-        children are all host-only counts as a leaf). Backed-up nodes keep their host copy;
-        others are backed up first under ``write_back``, else dropped. Returns tokens freed."""
-        if num_tokens < 0:
-            raise ValueError(f"evict: num_tokens must be >= 0, got {num_tokens}")
+    def _evict_tokens(self, num_tokens: int) -> int:
+        """``evict``: free at least ``num_tokens`` device slots from unlocked device leaves (a
+        node whose children are all host-only counts as a leaf). Backed-up nodes keep their host
+        copy; others are backed up first under ``write_back``, else dropped. Returns tokens freed."""
         return self._evict_device_nodes({self.KV: num_tokens}).get(self.KV, 0) if num_tokens else 0
 
     def _device_leaves(self) -> list[TreeNode]:
@@ -196,6 +195,8 @@ class TierEvictionMixin:
             slots = self._device_slots(node)
             self._clear_device(node)
         self.evictable_size_ -= len(node._key.ids)
+        if self.kv_events is not None:
+            self.kv_events.removed(node)
         parent = node.parent
         parent.device_children -= 1
         if not parent.device_children and parent is not self.root_node:
@@ -252,6 +253,8 @@ class TierEvictionMixin:
             stack.extend(x.children.values())
             self._free_slots(Tier.HOST, self._host_slots(x))
             self._host_leaves.pop(x.id, None)  # leaves the tree with the subtree
+            if self.kv_events is not None:
+                self.kv_events.removed(x, StorageMedium.CPU)
         freed = self._release_device_copy(node, deferred=False, stays=False)  # not a host leaf: it goes now
         self._delete_leaf(node)
         return freed
@@ -330,6 +333,8 @@ class TierEvictionMixin:
                 for name, idx in slots.items():
                     if idx is not None:
                         freed[name] = freed.get(name, 0) + idx.numel()
+                if self.kv_events is not None:
+                    self.kv_events.removed(node, StorageMedium.CPU)
                 self._delete_leaf(node)  # pushes the parent when it becomes a host leaf
             held = hold
         finally:

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.events import StorageMedium
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.controller.storage_ops import PrefetchOperation
@@ -96,6 +97,8 @@ class MambaStorageMixin:
                 dup += n
             else:
                 child.host_value = host[pos : pos + n].clone()
+                if self.kv_events is not None:
+                    self.kv_events.stored(child, StorageMedium.CPU)
             child.last_access_time = now
             pos, node = pos + n, child
         if pos < len(key):

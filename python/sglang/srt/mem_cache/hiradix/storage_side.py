@@ -46,11 +46,12 @@ from collections import OrderedDict
 import torch
 
 from sglang.srt.managers.cache_controller import Tier
+from sglang.srt.mem_cache.radix.events import StorageMedium
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy
 from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.controller.storage_ops import BackupOperation, HiCacheFlushIncomplete, PrefetchOperation, PrefetchState
+from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchOperation, PrefetchState, BackupOperation
 from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -214,10 +215,11 @@ class StorageTreeMixin:
 
     # ---- backup -------------------------------------------------------------------------
     def _on_write_done(self, node: TreeNode) -> None:
-        """Queue the L3 backup of the host copy just acknowledged (splits since the write
-        included: the write covered ``node`` and the ancestors split off it)."""
+        """A host copy was just acknowledged (splits since the write included: the write
+        covered ``node`` and the ancestors split off it): record its KV events (host tier) and
+        queue its L3 backup."""
         written = self._write_tokens.pop(node.id, None)
-        if self.storage is None:
+        if self.storage is None and self.kv_events is None:
             return
         if written is None:
             written = len(node.key)
@@ -227,7 +229,11 @@ class StorageTreeMixin:
             covered += len(x.key)
             x = x.parent
         region.reverse()
-        self._queue_backup(region)
+        if self.kv_events is not None:
+            for x in region:
+                self.kv_events.stored(x, StorageMedium.CPU)
+        if self.storage is not None:
+            self._queue_backup(region)
 
     def write_backup_storage(self, node: TreeNode) -> int:
         """Queue an L3 backup of ``node``'s host copy; pages queued (0: no storage or host copy)."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
-from sglang.srt.mem_cache.radix.tree_node import MatchResult, TreeNode, new_stamp
+from sglang.srt.mem_cache.radix.tree_node import TreeNode, new_stamp
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ReusableMatch:
     next_child: tuple | None
 
     def is_current(self, tree) -> bool:
-        """Would ``tree.match_prefix(self.key)`` return the same result now?"""
+        """Would ``tree.match_prefix(MatchPrefixParams(key=self.key))`` return the same result now?"""
         if self.root is not tree.root_node:
             return False
         path = self.result.path
@@ -50,7 +51,7 @@ def match_prefix_reusing(tree, key: RadixKey, previous: ReusableMatch | None) ->
     if previous is not None and previous.key is key and previous.is_current(tree):
         tree.touch(previous.result.path)
         return previous
-    result = tree.match_prefix(key)
+    result = tree.match_prefix(MatchPrefixParams(key=key))
     walked, page = sum(len(n.key) for n in result.path), tree.page_size
     next_child = key.child_key(walked, page) if walked + page <= len(key) else None
     return ReusableMatch(key, result, tree.root_node, new_stamp(), walked, next_child)

@@ -19,9 +19,17 @@ _SEED_TAG = b"sglang-hicache-page-chain-v1\x00"
 _MAX_TOKEN_ID = (1 << 32) - 1
 
 
+# What "" seeds with: a byte that no UTF-8 text contains, so the seed stays injective while
+# None (the default namespace) and every non-empty key keep the seed they always had.
+_EMPTY_KEY_TAG = b"\xff"
+
+
 def namespace_hash(extra_key: str | None = None) -> str:
-    """Seed digest (hex) of a namespace; ``None`` and ``""`` are the default namespace."""
-    return hashlib.sha256(_SEED_TAG + (extra_key or "").encode("utf-8")).hexdigest()
+    """Seed digest (hex) of a namespace. ``None`` is the default namespace; ``""`` is a
+    namespace of its own (the tree files it apart from ``None``, so its hashes differ too)."""
+    if extra_key is None:
+        return hashlib.sha256(_SEED_TAG).hexdigest()
+    return hashlib.sha256(_SEED_TAG + (extra_key.encode("utf-8") or _EMPTY_KEY_TAG)).hexdigest()
 
 
 def _page_bytes(token_ids) -> bytes:

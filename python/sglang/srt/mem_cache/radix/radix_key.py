@@ -8,10 +8,12 @@ ids of the keys it keeps (``RadixKey.copy``), so a caller may reuse its buffer a
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
+
+from sglang.srt.mem_cache.radix.page_hash import hash_page, namespace_hash
 
 TOKEN_DTYPE = np.int64
 
@@ -58,8 +60,10 @@ class RadixKey:
     """Token ids of a request prefix and the namespace they live in.
 
     ``extra_key`` separates namespaces (LoRA id, tenant ``cache_salt``): equal tokens under
-    different extra keys never match each other. ``ids`` is the read-only int64 array;
-    ``token_ids`` a tuple copy of it (for tests and messages, not for hot paths).
+    different extra keys never match each other. ``ids`` is the read-only int64 array the tree
+    works on; ``token_ids`` a list copy of it and iteration yields Python ints (for tests,
+    messages and upstream-style callers, not for hot paths). ``key[i]`` is the one-token key
+    at ``i`` and ``key[a:b]`` a view, both in the same namespace (upstream's indexing).
     """
 
     __slots__ = ("ids", "extra_key", "_head")
@@ -78,16 +82,29 @@ class RadixKey:
         return key
 
     @property
-    def token_ids(self) -> tuple[int, ...]:
-        return tuple(self.ids.tolist())
+    def token_ids(self) -> list[int]:
+        return self.ids.tolist()
 
     def __len__(self) -> int:
         return self.ids.shape[0]
 
-    def __getitem__(self, item: slice) -> "RadixKey":
-        if not isinstance(item, slice):
-            raise TypeError("RadixKey supports slicing only")
-        return RadixKey._wrap(self.ids[item], self.extra_key)
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.ids.tolist())
+
+    def __getitem__(self, item: int | slice) -> "RadixKey":
+        """A view of tokens ``item`` (a slice of step 1) or the one-token key at index ``item``
+        (negative counts from the end); IndexError out of range."""
+        if isinstance(item, slice):
+            if item.step not in (None, 1):
+                raise ValueError(f"RadixKey slices take step 1, got {item.step}")
+            return RadixKey._wrap(self.ids[item], self.extra_key)
+        if not isinstance(item, (int, np.integer)) or isinstance(item, bool):
+            raise TypeError(f"RadixKey indices are ints or slices, got {type(item).__name__}")
+        n = self.ids.shape[0]
+        i = int(item) + n if item < 0 else int(item)
+        if not 0 <= i < n:
+            raise IndexError(f"RadixKey index {int(item)} out of range for {n} tokens")
+        return RadixKey._wrap(self.ids[i : i + 1], self.extra_key)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, RadixKey):
@@ -107,6 +124,14 @@ class RadixKey:
         ids = self.ids.copy()
         ids.flags.writeable = False
         return RadixKey._wrap(ids, self.extra_key)
+
+    def hash_page(self, start: int, end: int, prior_hash: str | None = None) -> str:
+        """Page hash of tokens ``[start, end)`` chained from ``prior_hash``, or from this key's
+        namespace seed when None (so equal tokens in two namespaces hash apart)."""
+        if not 0 <= start <= end <= len(self):
+            raise IndexError(f"hash_page range [{start}, {end}) out of bounds for {len(self)} tokens")
+        seed = namespace_hash(self.extra_key) if prior_hash is None else prior_hash
+        return hash_page(seed, self.ids[start:end])
 
     def page(self, index: int, page_size: int) -> tuple[int, ...]:
         """Tokens of page ``index`` (page units)."""

@@ -1,4 +1,5 @@
-"""Radix tree vocabulary: RadixKey, TreeNode and MatchResult.
+"""Radix tree vocabulary: RadixKey and TreeNode (``MatchResult`` is upstream's, in
+``base_prefix_cache``).
 
 A node's key is a run of whole pages of token ids under one namespace (``extra_key``). Its
 ``value`` holds the device (L1) token slots of those tokens, ``host_value`` the host (L2) slots,
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,9 +18,8 @@ import torch
 from sglang.srt.mem_cache.radix.page_hash import namespace_hash
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
 
-__all__ = ["MatchResult", "RadixKey", "TreeNode", "empty_indices", "new_stamp"]
+__all__ = ["RadixKey", "TreeNode", "empty_indices", "new_stamp"]
 
-_node_ids = itertools.count()
 _stamps = itertools.count(1)
 
 
@@ -76,14 +75,19 @@ class TreeNode:
     mamba_value = _stamped("mamba_value")
     mamba_host_value = _stamped("mamba_host_value")
 
-    def __init__(self, parent: "TreeNode | None" = None, key: RadixKey | None = None):
-        self.id = next(_node_ids)
+    # Next id handed out (upstream's counter: a test may reset it). Ids name nodes in acks and
+    # break eviction ties; every construction advances it, also one given an explicit ``id``.
+    counter = 0
+
+    def __init__(self, id: int | None = None, *, parent: "TreeNode | None" = None, key: RadixKey | None = None):
+        self.id = TreeNode.counter if id is None else id
+        TreeNode.counter += 1
         self.parent = parent
-        self.key = key if key is not None else RadixKey(())
+        self.key = key
         self.children: dict[Any, TreeNode] = {}
         self.value: torch.Tensor | None = None
         self.host_value: torch.Tensor | None = None
-        self.hash_value: list[str] = []
+        self.hash_value: list[str] | None = None  # one per page; the tree sets it with the key
         self.lock_ref = 0
         self.host_ref_counter = 0
         self.hit_count = 0
@@ -99,7 +103,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return (
-            f"TreeNode(id={self.id}, len={len(self.key)}, device={self.value is not None}, "
+            f"TreeNode(id={self.id}, len={0 if self.key is None else len(self.key)}, device={self.value is not None}, "
             f"host={self.host_value is not None}, lock_ref={self.lock_ref})"
         )
 
@@ -125,8 +129,9 @@ class TreeNode:
         self.host_ref_counter += 1
 
     def release_host(self) -> None:
+        """Undo one ``protect_host``; RuntimeError (upstream's) when the host copy is not pinned."""
         if self.host_ref_counter <= 0:
-            raise ValueError(f"release_host on node {self.id}, whose host copy is not protected")
+            raise RuntimeError(f"release_host on node {self.id}, whose host copy is not protected")
         self.host_ref_counter -= 1
 
     def prior_hash(self) -> str:
@@ -141,21 +146,3 @@ class TreeNode:
 
     def unchanged_since(self, stamp: int) -> bool:
         return self.stamp < stamp
-
-
-@dataclass
-class MatchResult:
-    """What ``match_prefix`` found.
-
-    ``device_indices``: device token slots of the matched prefix that is on device (int64, CPU).
-    ``last_device_node``: deepest matched node with a device copy (the root on a miss).
-    ``last_host_node``: deepest matched node (device or host copy); equals ``last_device_node``
-    when nothing matched only on host. ``host_hit_length``: tokens between the two (host only).
-    ``path``: every node the match walked, root excluded (hybrid trees may stop short of its end).
-    """
-
-    device_indices: torch.Tensor = field(default_factory=empty_indices)
-    last_device_node: TreeNode | None = None
-    last_host_node: TreeNode | None = None
-    host_hit_length: int = 0
-    path: tuple = ()
