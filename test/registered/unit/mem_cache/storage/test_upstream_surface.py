@@ -72,16 +72,22 @@ def test_from_cache_params_states_the_pool_and_registration_checks_it(tmp_path):
     loose.close()
 
 
+def directory_of(config, file_path=None) -> str:
+    store = HiCacheFile(config, file_path=file_path)
+    store.close()
+    return store.file_path
+
+
 def test_hicache_file_directory_precedence(tmp_path, monkeypatch):
     """extra config storage_dir (or upstream's file_storage_path) > environment > file_path."""
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
     cfg = HiCacheStorageConfig(model_name="m")
-    assert HiCacheFile(cfg, file_path=str(tmp_path / "arg")).file_path == str(tmp_path / "arg")
+    assert directory_of(cfg, str(tmp_path / "arg")) == str(tmp_path / "arg")
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "env"))
-    assert HiCacheFile(cfg, file_path=str(tmp_path / "arg")).file_path == str(tmp_path / "env")
+    assert directory_of(cfg, str(tmp_path / "arg")) == str(tmp_path / "env")
     for key in ("storage_dir", "file_storage_path"):
         extra = HiCacheStorageConfig(model_name="m", extra_config={key: str(tmp_path / key)})
-        assert HiCacheFile(extra, file_path=str(tmp_path / "arg")).file_path == str(tmp_path / key)
+        assert directory_of(extra, str(tmp_path / "arg")) == str(tmp_path / key)
     both = HiCacheStorageConfig(model_name="m", extra_config={"storage_dir": "a", "file_storage_path": "b"})
     with pytest.raises(ValueError, match="'file_storage_path' and 'storage_dir' are the same setting"):
         HiCacheFile(both)
