@@ -20,6 +20,11 @@ Storage (L3), when the controller has a backend: ``prefetch_from_storage`` /
 host-only nodes, and every acknowledged host copy is backed up to storage
 (``hiradix_storage.py``). Their counts ride on the one per-step agreement vector
 (``_storage_progress`` / ``_on_storage_progress``).
+
+KV events (``enable_kv_cache_events``): a device copy is published with medium ``GPU`` when it
+appears (insert, an evicted node re-adopting recomputed KV, load-back) and a host copy with
+``CPU_PINNED`` once its write is acknowledged (the fragments a split made of it included) or its
+pages arrive from storage; a copy leaving a tier is a ``BlockRemoved`` of that tier.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def test_state_moves_with_its_kv_through_the_host():
     env.settle()
     node = env.match([1, 2, 3, 4]).last_device_node
     assert node.mamba_host_value.tolist() == [0] and env.mamba_host.available_size() == env.mamba_host.size - 1
-    assert env.tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4 and node.mamba_value is None and env.mamba.available_size() == 4
+    assert env.tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
+    assert node.mamba_value is None and env.mamba.available_size() == 4
     env.mamba.clear()
     m = env.match([1, 2, 3, 4])
     assert (m.host_hit_length, m.last_host_node) == (4, node)

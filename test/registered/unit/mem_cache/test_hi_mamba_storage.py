@@ -57,7 +57,8 @@ def test_a_missing_state_trims_the_hit_to_the_last_page_with_a_state(tmp_path):
     env.flush()
     env.state_file(hashes[1]).unlink()  # no state at all: the KV-only hit is refused
     env.prefetch(AB, rid="r2")
-    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0 and list(env.tree.root_node.children) == []
+    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0
+    assert list(env.tree.root_node.children) == []
     assert env.mamba_host.available_size() == env.mamba_host.size
     env.close()
 
@@ -71,7 +72,8 @@ def test_a_state_that_fails_to_read_refuses_the_hit(tmp_path):
     env.prefetch(AB)
     stats = env.l3()
     assert (stats["prefetch_pages_found"], stats["prefetch_state_misses"], stats["prefetch_pages_loaded"]) == (4, 1, 0)
-    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0  # KV arrived, but not without its state
+    # KV arrived, but not without its state
+    assert env.tree.match_prefix(MatchPrefixParams(key=RadixKey(AB))).host_hit_length == 0
     env.tree.check_integrity()
     assert env.controller.mem_pool_host.available_size() == env.controller.mem_pool_host.size
     assert env.mamba_host.available_size() == env.mamba_host.size

@@ -114,7 +114,8 @@ def test_a_hung_prefetch_read_keeps_its_slots_until_it_returns(tmp_path):
     h.storage.synchronize()
     h.check_hicache_events()
     assert is_free(h, held).all() and h.cache_controller.held_host_indices() == []
-    assert h.evict(EvictParams(num_tokens=len(U))).num_tokens_evicted == len(U)  # U now lives on host only: load it back and check it
+    # U now lives on host only: load it back and check it
+    assert h.evict(EvictParams(num_tokens=len(U))).num_tokens_evicted == len(U)
     r = start_request(h, U)
     assert r.loaded == len(U)
     assert_kv(h.token_to_kv_pool_allocator.get_kvcache(), r.kv_indices, U)

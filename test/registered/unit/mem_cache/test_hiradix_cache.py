@@ -72,7 +72,8 @@ def test_write_through_selective_backs_up_on_the_second_hit():
     assert node.host_value.tolist() == [0, 1, 2, 3, 4, 5]
     leaf = h.match_prefix(MatchPrefixParams(key=RadixKey(A + [7, 8]))).last_device_node
     assert leaf is not node and not leaf.backuped
-    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 8  # [7, 8] has no host copy: dropped; A keeps its host copy
+    # [7, 8] has no host copy: dropped; A keeps its host copy
+    assert h.evict(EvictParams(num_tokens=100)).num_tokens_evicted == 8
     m = h.match_prefix(MatchPrefixParams(key=RadixKey(A + [7, 8])))
     assert (m.host_hit_length, m.last_host_node) == (6, node)
     h.check_integrity()
@@ -126,7 +127,8 @@ def test_full_host_refuses_backup_then_host_eviction_makes_room():
     run(h, [7, 7, 7, 7])  # needs 4 host slots: the host-only A is evicted to make room
     settle(h)
     assert h.match_prefix(MatchPrefixParams(key=RadixKey(A))).host_hit_length == 0
-    assert h.match_prefix(MatchPrefixParams(key=RadixKey([7, 7, 7, 7]))).last_device_node.host_value.tolist() == [0, 1, 2, 3]
+    node = h.match_prefix(MatchPrefixParams(key=RadixKey([7, 7, 7, 7]))).last_device_node
+    assert node.host_value.tolist() == [0, 1, 2, 3]
     h.check_integrity()
 
 

@@ -70,7 +70,8 @@ def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
         h.check_hicache_events()
         assert nodes[-1].lock_ref == 0 and not h.ongoing_write_through
     assert lane.num_inline >= 1  # the first copy was measured on the worker, later ones ran here
-    assert h.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12 and all(n.evicted and n.backuped for n in nodes)  # host copies kept
+    # host copies kept
+    assert h.evict(EvictParams(num_tokens=12)).num_tokens_evicted == 12 and all(n.evicted and n.backuped for n in nodes)
     h.check_integrity()
     h.cache_controller.close()
 
@@ -98,7 +99,8 @@ def test_host_eviction_keeps_policy_order_across_calls_and_skips_pinned_nodes():
     nodes = {name: insert(h, k) for name, k in keys.items()}
     h.cache_controller.synchronize()
     h.check_hicache_events()
-    assert h.evict(EvictParams(num_tokens=16)).num_tokens_evicted == 16 and all(n.evicted and n.backuped for n in nodes.values())
+    assert h.evict(EvictParams(num_tokens=16)).num_tokens_evicted == 16
+    assert all(n.evicted and n.backuped for n in nodes.values())
     h.match_prefix(MatchPrefixParams(key=RadixKey(keys["b"])))  # b is now the most recent
     h.protect_host(nodes["a"])  # a, the oldest, is pinned
     order, freed = [], []
@@ -247,16 +249,19 @@ def test_device_eviction_reads_no_children_of_a_prefix_with_many_host_only_ones(
     h.cache_controller.synchronize()
     h.check_hicache_events()
     top = h.match_prefix(MatchPrefixParams(key=RadixKey(prefix))).last_device_node
-    assert h.evict(EvictParams(num_tokens=80)).num_tokens_evicted == 80 and len(top.children) == 40 and top.device_children == 0
+    assert h.evict(EvictParams(num_tokens=80)).num_tokens_evicted == 80
+    assert len(top.children) == 40 and top.device_children == 0
     live = insert(h, prefix + [7, 8], shared=4)  # the prefix's one device child
     h.cache_controller.synchronize()
     h.check_hicache_events()
     assert top.device_children == 1 and not h._is_device_leaf(top)
     top.children = CountingChildren(top.children)
     CountingChildren.walks = 0
-    assert h.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 2 and live.evicted  # the device leaf goes; the prefix becomes one
+    # the device leaf goes; the prefix becomes one
+    assert h.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 2 and live.evicted
     assert h._is_device_leaf(top) and h._device_candidates[top.id] is top
-    assert h.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4 and top.evicted  # and goes next, its 41 host-only children untouched
+    # and goes next, its 41 host-only children untouched
+    assert h.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4 and top.evicted
     assert CountingChildren.walks == 0
     h.check_integrity()
     h.cache_controller.close()
@@ -297,7 +302,8 @@ def test_a_loaded_back_chain_is_a_device_eviction_candidate_again():
     h.cache_controller.synchronize()
     h.check_hicache_events()
     h.check_integrity()
-    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6 and node.evicted  # found without a walk of the tree
+    # found without a walk of the tree
+    assert h.evict(EvictParams(num_tokens=6)).num_tokens_evicted == 6 and node.evicted
     h.check_integrity()
     h.cache_controller.close()
 

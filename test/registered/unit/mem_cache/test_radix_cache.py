@@ -28,7 +28,8 @@ def test_insert_match_and_lru_eviction_order():
     assert c.insert(InsertParams(key=K(1, 2, 3), value=s1)).prefix_len == 0
     s2 = alloc.alloc(4)
     assert s2.tolist() == [4, 5, 6, 7]
-    assert c.insert(InsertParams(key=K(1, 2, 4, 5), value=s2)).prefix_len == 2  # [1, 2] was cached: the caller frees 4, 5
+    # [1, 2] was cached: the caller frees 4, 5
+    assert c.insert(InsertParams(key=K(1, 2, 4, 5), value=s2)).prefix_len == 2
     alloc.free(s2[:2])
     m = c.match_prefix(MatchPrefixParams(key=K(1, 2, 4, 9)))
     assert m.device_indices.tolist() == [1, 2, 6]

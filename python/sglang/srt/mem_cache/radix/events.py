@@ -108,10 +108,10 @@ class KVCacheEventRecorder:
         the page before it (the parent's last page for the first one)."""
         parent = node.parent
         prev = None if parent is None or parent.parent is None else hash_str_to_int64(parent.hash_value[-1])
-        ids, P = node.key.ids, self.page_size
+        ids, P, tier = node.key.ids, self.page_size, medium.value
         for i, h in enumerate(node.hash_value):
             block = hash_str_to_int64(h)
-            self._queue.append(BlockStored([block], prev, ids[i * P : (i + 1) * P].tolist(), P, None, medium=medium.value))
+            self._queue.append(BlockStored([block], prev, ids[i * P : (i + 1) * P].tolist(), P, None, medium=tier))
             prev = block
 
     def removed(self, node, medium: StorageMedium = StorageMedium.GPU) -> None:
