@@ -67,6 +67,7 @@ def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
         h.cache_controller.flush_writes()
         assert nodes[-1].lock_ref == 1 and nodes[-1].host_value is not None  # written, locked until acked
         h.check_integrity()
+        lane.synchronize()  # a copy measured on the worker is acked once it has run (no race with the check)
         h.check_hicache_events()
         assert nodes[-1].lock_ref == 0 and not h.ongoing_write_through
     assert lane.num_inline >= 1  # the first copy was measured on the worker, later ones ran here
