@@ -21,6 +21,7 @@ class PoolName(str, Enum):
     MAMBA = "mamba"
     INDEXER = "indexer"
     DSV4_STATE = "dsv4_state"
+    SWA = "swa"  # upstream's sliding-window side pool (a pool name storage backends key by)
 
 
 @dataclass
