@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
     MLATokenToKVPool,
     PoolKind,
 )
-from sglang.test.kv_pools import HOST_CLASSES  # noqa: E402
+from sglang.test.kv_pools import make_host_pool  # noqa: E402
 
 
 def device_pool(kind: PoolKind, page_size: int, num_pages: int, layers: int, device: str):
@@ -95,7 +95,7 @@ def bench_cell(kind, layout, io, args, gen):
     P = 1 if kind is PoolKind.MAMBA else args.page_size
     n = num_pages_for(kind, args)
     dev = device_pool(kind, P, n + 1, args.layers, args.device)
-    host = HOST_CLASSES[kind](dev, 1.0, layout=layout, io_backend=io)
+    host = make_host_pool(dev, layout, io, 1.0)
     dev_pages = torch.randperm(n, generator=gen) + 1  # scattered, never the padding page
     host_pages = torch.randperm(host.page_num, generator=gen)[:n]
     offs = torch.arange(P)

@@ -71,7 +71,8 @@ S3 = {"access_key": "bench", "secret_key": "bench", "region": "us-east-1"}
 def make_pool(page_bytes: int, num_pages: int) -> MLATokenToKVPoolHost:
     kv_dim = page_bytes // (PAGE_TOKENS * 2)  # bf16, one layer
     dev = MLATokenToKVPool(PAGE_TOKENS, PAGE_TOKENS, torch.bfloat16, kv_dim - 16, 16, 1)
-    host = MLATokenToKVPoolHost(dev, 1.0, 0.0, PAGE_TOKENS, "page_first_direct", "direct", size=num_pages * PAGE_TOKENS)
+    host = MLATokenToKVPoolHost(dev, 1.0, 0.0, PAGE_TOKENS, "page_first_direct", io_backend="direct",
+                                size=num_pages * PAGE_TOKENS)
     for buf in host.get_host_buffers():
         buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8))
     assert host.page_bytes == page_bytes, (host.page_bytes, page_bytes)

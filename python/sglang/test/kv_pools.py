@@ -21,8 +21,8 @@ from sglang.srt.mem_cache.memory_pool import (
     MLATokenToKVPool,
     PoolKind,
 )
+from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
-from sglang.srt.mem_cache.pool_host.dsv4 import DeepSeekV4StateHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.layout import HostLayout
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
@@ -75,8 +75,22 @@ def make_device_pool(
     raise ValueError(f"unknown kind {kind}")
 
 
-def make_host_pool(device_pool: KVCache, layout, io_backend, ratio: float = 2.0, **kwargs):
-    return HOST_CLASSES[device_pool.kind](device_pool, ratio, 0.0, layout=layout, io_backend=io_backend, **kwargs)
+def make_host_pool(device_pool: KVCache, layout, io_backend, ratio: float = 2.0, size: int | None = None, **kwargs):
+    """A host pool of ``device_pool``'s kind: ``ratio`` times its slots, or ``size`` slots.
+
+    Each kind through its own (upstream's) constructor: the DSA indexer sized by a logical anchor
+    of that size, the V4 pools by slots and pages; the others mirror ``device_pool`` directly.
+    """
+    kind, P = device_pool.kind, device_pool.page_size
+    slots = size if size is not None else int(device_pool.size * ratio) // P * P
+    if kind is PoolKind.DSV4_ANCHOR:
+        return LogicalHostPool(slots, P, layout, io_backend=io_backend)
+    if kind is PoolKind.DSV4_STATE:
+        return DeepSeekV4StateHostPool("dsv4_state", [device_pool], slots // P, P, layout, io_backend=io_backend, **kwargs)
+    if kind is PoolKind.DSA_INDEXER:
+        anchor = LogicalHostPool(slots, P)  # only its size and page size matter to the sidecar
+        return DSAIndexerPoolHost(device_pool, anchor, layout, io_backend=io_backend, **kwargs)
+    return HOST_CLASSES[kind](device_pool, ratio, layout=layout, io_backend=io_backend, size=size, **kwargs)
 
 
 def randomize_bytes(t: torch.Tensor, gen: torch.Generator) -> None:

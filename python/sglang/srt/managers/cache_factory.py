@@ -49,8 +49,6 @@ def cache_init_params(args, runner) -> CacheInitParams:
         tp_rank=runner.tp_rank,
         tp_size=runner.tp_size,
         tp_cache_group=get_tp_group().cpu_group,
-        # rank 0 publishes; the other ranks hold the same tree and record nothing
-        enable_kv_cache_events=bool(getattr(args, "kv_events_config", None)) and runner.tp_rank == 0,
     )
 
 
@@ -143,7 +141,7 @@ def build_tree_cache(args, runner) -> RadixCache:
         host_pool = ANCHOR_HOST_CLASSES[anchor.kind](
             anchor,
             host_to_device_ratio=cfg.hicache_ratio,
-            host_size_gb=cfg.hicache_size_gb,
+            host_size=cfg.hicache_size_gb,
             page_size=args.page_size,
             layout=cfg.mem_layout,
             io_backend=cfg.io_backend,

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tree_fixtures import assert_kv, held_pages, kv_mamba_stack, token_values, write_kv
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -65,11 +64,11 @@ class HiMambaMachine(RuleBasedStateMachine):
         self.tree = self.stack.tree_cache
         self.alloc = self.stack.params.token_to_kv_pool_allocator
         self.kv = self.alloc.get_kvcache()
-        self.mamba = self.stack.host_pool_group.entry(PoolName.MAMBA).device_pool
+        self.mamba = self.stack.host_pool_group.get_entry(PoolName.MAMBA).device_pool
         self.running = []
 
     def _match(self, tokens, load_back):
-        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
+        m = self.tree.match_prefix(RadixKey(tokens))
         prefix, last = m.device_indices, m.last_device_node
         if load_back and m.host_hit_length:
             got = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
@@ -89,9 +88,9 @@ class HiMambaMachine(RuleBasedStateMachine):
         self.tree.inc_lock_ref(last)
         need = -(-(len(tokens) - prefix.numel()) // 2) * 2
         if self.alloc.available_size() < need:
-            self.tree.evict(EvictParams(num_tokens=need - self.alloc.available_size()))
+            self.tree.evict(need - self.alloc.available_size())
         if self.mamba.available_size() < 1:
-            self.tree.evict(EvictParams(mamba_num=1))
+            self.tree.evict_mamba(1)
         own, state = self.alloc.alloc(need), self.mamba.alloc(1)
         if own is None or state is None:
             for pool, got in ((self.alloc, own), (self.mamba, state)):
@@ -124,7 +123,7 @@ class HiMambaMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def evict(self, n):
-        self.tree.evict(EvictParams(num_tokens=n))
+        self.tree.evict(n)
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n):
@@ -132,7 +131,7 @@ class HiMambaMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 2))
     def evict_mamba(self, n):
-        self.tree.evict(EvictParams(mamba_num=n))
+        self.tree.evict_mamba(n)
 
     @rule()
     def check_events(self):
@@ -158,7 +157,7 @@ class HiMambaMachine(RuleBasedStateMachine):
             self.tree.reset()
             assert self.alloc.available_size() == self.alloc.size
             assert self.mamba.available_size() == self.mamba.size
-            for entry in self.stack.host_pool_group.entries.values():
+            for entry in self.stack.host_pool_group.entries:
                 assert entry.host_pool.available_size() == entry.host_pool.size
         finally:
             self.stack.cache_controller.close()

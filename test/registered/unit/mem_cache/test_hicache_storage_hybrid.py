@@ -8,7 +8,6 @@ import pytest
 import torch
 from tree_fixtures import STACKS, fill_random, snapshot
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -49,20 +48,20 @@ def test_every_pool_round_trips_through_l3(tmp_path, backend, stack_name, layout
     stack = STACKS[stack_name](config(tmp_path, backend, layout))
     tree, controller, gen = stack.tree_cache, stack.cache_controller, torch.Generator().manual_seed(3)
     assert controller.storage.side_pools == [e.name for e in stack.host_pool_group.sidecars()]
-    pools = {name: entry.device_pool for name, entry in stack.host_pool_group.entries.items()}
+    pools = {name: entry.device_pool for name, entry in stack.host_pool_group.entry_map.items()}
     slots = stack.params.token_to_kv_pool_allocator.alloc(len(TOKENS))
     for pool in pools.values():
         for buf in pool.buffers.values():
             fill_random(buf, slots, gen)
     before = {name: snapshot(pool, slots) for name, pool in pools.items()}
-    tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots))
+    tree.insert(RadixKey(TOKENS), slots)
     settle(tree)
     tree.reset()  # flush L1 and L2
     for pool in pools.values():
         pool.clear()
     assert tree.prefetch_from_storage("r", tree.root_node, TOKENS) == len(TOKENS)
     wait_prefetch(tree, "r")
-    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS)))
+    m = tree.match_prefix(RadixKey(TOKENS))
     assert m.host_hit_length == len(TOKENS)
     got = tree.init_load_back(m.last_host_node, m.host_hit_length)
     tree.ready_to_load_host_cache()
@@ -85,15 +84,15 @@ def test_a_missing_sidecar_page_limits_the_hit(tmp_path):
     stack = STACKS["kv_dsa"](config(tmp_path, "file", "layer_first"))
     tree, backend = stack.tree_cache, stack.cache_controller.storage_backend
     slots = stack.params.token_to_kv_pool_allocator.alloc(len(TOKENS))
-    tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots))
+    tree.insert(RadixKey(TOKENS), slots)
     settle(tree)
-    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS))).last_device_node
+    node = tree.match_prefix(RadixKey(TOKENS)).last_device_node
     tree.reset()
     name = backend.codec(PoolName.INDEXER).object_names(node.hash_value[2])[0]
     (tmp_path / "file" / name[:2] / f"{name}.bin").unlink()
     tree.prefetch_from_storage("r", tree.root_node, TOKENS)
     wait_prefetch(tree, "r")
-    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS))).host_hit_length == 4
+    assert tree.match_prefix(RadixKey(TOKENS)).host_hit_length == 4
     tree.reset()
     stack.cache_controller.close()
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 from tree_fixtures import STACKS, fill_random, params_for, snapshot
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_nsa_hybrid_stack
@@ -26,7 +25,7 @@ def settle(tree):
 
 
 def device_pools(stack):
-    return {name: entry.device_pool for name, entry in stack.host_pool_group.entries.items()}
+    return {name: entry.device_pool for name, entry in stack.host_pool_group.entry_map.items()}
 
 
 @pytest.mark.parametrize("stack_name", sorted(STACKS))
@@ -47,12 +46,12 @@ def test_round_trip_moves_every_pool(stack_name, layout):
             fill_random(buf, state, gen)
         kwargs["mamba_value"] = state
     before = {n: snapshot(p, slots if n is not PoolName.MAMBA else state) for n, p in pools.items()}
-    assert tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots, **kwargs)).prefix_len == 0
+    assert tree.insert(RadixKey(TOKENS), slots, **kwargs) == 0
     settle(tree)
-    assert tree.evict(EvictParams(num_tokens=len(TOKENS))).num_tokens_evicted == len(TOKENS)
+    assert tree.evict(len(TOKENS)) == len(TOKENS)
     for pool in pools.values():
         pool.clear()
-    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS)))
+    m = tree.match_prefix(RadixKey(TOKENS))
     assert m.host_hit_length == len(TOKENS)
     got = tree.init_load_back(m.last_host_node, m.host_hit_length)
     assert tree.ready_to_load_host_cache() == 0
@@ -67,7 +66,7 @@ def test_round_trip_moves_every_pool(stack_name, layout):
     tree.check_integrity()
     tree.reset()
     assert stack.params.token_to_kv_pool_allocator.available_size() == stack.params.token_to_kv_pool_allocator.size
-    for entry in stack.host_pool_group.entries.values():
+    for entry in stack.host_pool_group.entries:
         if not entry.shares_anchor_slots:
             assert entry.host_pool.available_size() == entry.host_pool.size
     stack.cache_controller.close()
@@ -77,7 +76,7 @@ def test_sidecar_layers_fewer_than_the_anchor_are_skipped_not_overrun():
     stack = STACKS["kv_dsa"]()
     controller = stack.cache_controller
     assert controller.layer_num == 2
-    indexer = stack.host_pool_group.entry(PoolName.INDEXER).host_pool
+    indexer = stack.host_pool_group.get_entry(PoolName.INDEXER).host_pool
     assert indexer.layer_num == 1
     stack.cache_controller.close()
 
@@ -102,7 +101,7 @@ def test_host_size_in_gb_buys_anchor_slots_with_their_sidecars():
     group = stack.host_pool_group
     per_slot_bytes = group.get_size_per_token()
     assert group.size == 1000 // per_slot_bytes // 2 * 2
-    assert group.entry(PoolName.INDEXER).host_pool.size == group.size
+    assert group.get_entry(PoolName.INDEXER).host_pool.size == group.size
     stack.cache_controller.close()
 
 

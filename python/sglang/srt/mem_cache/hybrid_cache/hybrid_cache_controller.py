@@ -33,13 +33,13 @@ class HybridCacheController(HiCacheController):
                  model_name: str | None = None):
         if not isinstance(host_pool_group, HostPoolGroup):
             raise TypeError(f"host_pool_group must be a HostPoolGroup, got {type(host_pool_group).__name__}")
-        anchor = host_pool_group.anchor
+        anchor = host_pool_group.anchor_entry
         allocator = params.token_to_kv_pool_allocator
         if allocator is None or anchor.device_pool is not allocator.get_kvcache():
             raise ValueError("the group's anchor device pool is not the pool of CacheInitParams' allocator")
         together = [anchor, *host_pool_group.sidecars()]
         bindings = {anchor.name: PoolBinding([(e.host_pool, e.device_pool) for e in together], anchor.host_pool, allocator)}
-        for entry in host_pool_group.entries.values():
+        for entry in host_pool_group.entries:
             if entry is anchor or entry.shares_anchor_slots:
                 continue
             for obj in (entry.host_pool, entry.device_pool):
@@ -59,8 +59,8 @@ class HybridCacheController(HiCacheController):
         return [e.name for e in self.host_pool_group.sidecars()]
 
     def _storage_state_pool(self) -> PoolName | None:
-        own = [e.name for e in self.host_pool_group.entries.values()
-               if e is not self.host_pool_group.anchor and not e.shares_anchor_slots]
+        own = [e.name for e in self.host_pool_group.entries
+               if e is not self.host_pool_group.anchor_entry and not e.shares_anchor_slots]
         if not own:
             return None
         if own != [PoolName.MAMBA]:

@@ -30,8 +30,8 @@ from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.memory_pool.base import KVCache, PoolKind
+from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4StateHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
-from sglang.srt.mem_cache.pool_host.dsv4 import DeepSeekV4StateHostPool, LogicalHostPool
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry, PoolName
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import AsymmetricMHATokenToKVPoolHost, MHATokenToKVPoolHost
@@ -95,12 +95,15 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
     _check_sidecar(anchor, side_pool, side_kind)
     slots = _anchor_host_slots(config, anchor, [side_pool])
     io = config.io_backend
-    anchor_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, size=slots, layout=config.mem_layout, io_backend=io)
-    side_host = side_cls(side_pool, size=anchor_host.size, layout=anchor_host.layout, io_backend=io)
-    group = HostPoolGroup(
-        PoolEntry(PoolName.KV, anchor_host, anchor),
-        [PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True)],
-    )
+    if anchor.kind is PoolKind.DSV4_ANCHOR:  # slots only: upstream's LogicalHostPool(size, page_size, layout)
+        anchor_host = LogicalHostPool(slots, anchor.page_size, config.mem_layout, io_backend=io)
+    else:
+        anchor_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, layout=config.mem_layout, io_backend=io, size=slots)
+    side_host = side_cls(side_pool, anchor_host, io)
+    group = HostPoolGroup([
+        PoolEntry(PoolName.KV, anchor_host, anchor, is_primary_index_anchor=True),
+        PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True),
+    ])
     controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
     tree = HiRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
     return HybridStack(params, group, controller, tree)
@@ -109,13 +112,17 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
 def build_nsa_hybrid_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """MLA KV anchor + DSA indexer sidecar (same slots, moved together)."""
     return _sidecar_stack(params, config, (PoolKind.MLA,), indexer_pool, PoolKind.DSA_INDEXER, PoolName.INDEXER,
-                          DSAIndexerPoolHost)
+                          lambda pool, anchor_host, io: DSAIndexerPoolHost(pool, anchor_host, anchor_host.layout,
+                                                                           io_backend=io))
 
 
 def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig | None = None) -> HybridStack:
     """DeepSeek-V4: a logical anchor (slots, no bytes) + the compressed-state sidecar."""
     return _sidecar_stack(params, config, (PoolKind.DSV4_ANCHOR,), state_pool, PoolKind.DSV4_STATE,
-                          PoolName.DSV4_STATE, DeepSeekV4StateHostPool)
+                          PoolName.DSV4_STATE,
+                          lambda pool, anchor_host, io: DeepSeekV4StateHostPool(
+                              PoolName.DSV4_STATE.value, [pool], anchor_host.page_num, anchor_host.page_size,
+                              anchor_host.layout, io_backend=io))
 
 
 def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
@@ -133,7 +140,8 @@ def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCach
     else:
         kv_host = ANCHOR_HOST_CLASSES[anchor.kind](anchor, config.hicache_ratio, layout=config.mem_layout, io_backend=io)
         mamba_host = MambaPoolHost(mamba_pool, config.hicache_ratio, io_backend=io)
-    group = HostPoolGroup(PoolEntry(PoolName.KV, kv_host, anchor), [PoolEntry(PoolName.MAMBA, mamba_host, mamba_pool)])
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv_host, anchor, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.MAMBA, mamba_host, mamba_pool)])
     controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
     tree = HiMambaRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
     return HybridStack(params, group, controller, tree)

@@ -134,7 +134,7 @@ def _page_view(t: torch.Tensor, m: ItemMap, seg: int, layers: range, views: dict
         flat = t.view(-1).view(torch.uint8).view(_WORDS[w])
         ls, ps, sg = m.layer_stride * e // w, m.page_stride * e // w, seg * e // w
         pages = (flat.numel() - (layers.stop - 1) * ls - sg) // ps + 1
-        view = flat.as_strided((len(layers), pages, sg), (ls, ps, 1), layers.start * ls)
+        view = flat.as_strided((len(layers), pages, sg), (ls, ps, 1), flat.storage_offset() + layers.start * ls)
         if views is not None:
             views[key] = view
     return view

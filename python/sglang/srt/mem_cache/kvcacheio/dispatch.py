@@ -81,9 +81,13 @@ def resolve_io(kind: PoolKind, layout: HostLayout, io_backend: IOBackend) -> IOR
         return IO_TABLE[(kind, layout, io_backend)]
     except KeyError:
         cells = ", ".join(f"{lay}+{io}" for lay, io in supported_cells(kind))
+        # the layouts this backend serves for this kind, page-contiguous ones first (upstream's)
+        fits = sorted((lay for (k, lay, io) in IO_TABLE if k is kind and io is io_backend),
+                      key=lambda lay: (not lay.page_contiguous, lay.value))
+        expected = " or ".join(repr(lay.value) for lay in fits) or "another io_backend"
         raise ValueError(
-            f"{kind.value} host pool does not support layout={layout.value} with io_backend={io_backend.value}; "
-            f"supported: {cells}"
+            f"{kind.value} host pool does not support layout={layout.value} with io_backend={io_backend.value}: "
+            f"expected {expected} (supported: {cells})"
         ) from None
 
 

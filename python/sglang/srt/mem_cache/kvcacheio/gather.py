@@ -6,6 +6,8 @@ an int64 offset per element, so it costs 8 extra bytes per element moved: correc
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from sglang.srt.mem_cache.pool_host.layout import ItemMap
@@ -39,4 +41,37 @@ def copy_items(
     layers = torch.arange(layer_begin, layer_begin + num_layers, dtype=torch.int64)
     s_off = _offsets(src_map, src_slots.cpu(), layers).to(src.device)
     d_off = _offsets(dst_map, dst_slots.cpu(), layers).to(dst.device)
+    dst.view(-1)[d_off] = src.view(-1)[s_off].to(dst.device)
+
+
+def copy_items_from_table(
+    src_layers: torch.Tensor,
+    dst: torch.Tensor,
+    src_map: ItemMap,
+    dst_map: ItemMap,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    layer_begin: int,
+    num_layers: int,
+) -> None:
+    """Same contract as ``triton_kernels.copy_items_from_table``, for CPU sources only: each
+    layer's address becomes a tensor over the bytes the copy reads."""
+    if src_slots.numel() == 0:
+        return
+    if src_layers.device.type != "cpu":
+        raise ValueError("the torch stand-in reads per-layer addresses of CPU memory only")
+    slots = src_slots.cpu()
+    extent = int(_offsets(src_map, slots, torch.zeros(1, dtype=torch.int64)).max()) + 1  # elements read
+    addresses = src_layers.tolist()
+    for layer in range(layer_begin, layer_begin + num_layers):
+        raw = (ctypes.c_uint8 * (extent * dst.element_size())).from_address(int(addresses[layer]))
+        src = torch.frombuffer(raw, dtype=torch.uint8).view(dst.dtype)
+        _copy_layer(src, dst, src_map, dst_map, slots, dst_slots, layer)
+
+
+def _copy_layer(src, dst, src_map, dst_map, src_slots, dst_slots, layer: int) -> None:
+    """One layer of a table copy: ``src`` is that layer alone (layer offset 0 on its side)."""
+    one = torch.tensor([layer], dtype=torch.int64)
+    s_off = _offsets(src_map, src_slots, torch.zeros(1, dtype=torch.int64))
+    d_off = _offsets(dst_map, dst_slots.cpu(), one).to(dst.device)
     dst.view(-1)[d_off] = src.view(-1)[s_off].to(dst.device)

@@ -22,14 +22,21 @@ def _triton_copy():
 
 
 @functools.lru_cache(maxsize=None)
-def _fallback_copy():
+def _triton_table_copy():
+    from sglang.srt.mem_cache.kvcacheio import triton_kernels
+
+    return triton_kernels.copy_items_from_table
+
+
+@functools.lru_cache(maxsize=None)
+def _gather():
     logger.warning(
         "io_backend=kernel without a GPU and without TRITON_INTERPRET=1: copying with the torch "
         "gather routine instead of the Triton kernel"
     )
     from sglang.srt.mem_cache.kvcacheio import gather
 
-    return gather.copy_items
+    return gather
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -55,15 +62,28 @@ def _interpreted_copy(*args) -> None:
         _triton_copy()(*args)
 
 
-def _copy_fn(device: torch.device):
+def _interpreted_table_copy(*args) -> None:
+    with _INTERPRETER_LOCK:
+        _triton_table_copy()(*args)
+
+
+def copy_fn(device: torch.device):
+    """``copy_items`` (see ``triton_kernels``) for tensors on ``device``."""
     if not triton_usable(device):
-        return _fallback_copy()
+        return _gather().copy_items
     return _triton_copy() if device.type == "cuda" else _interpreted_copy
 
 
+def table_copy_fn(device: torch.device):
+    """``copy_items_from_table`` for a pointer table on ``device``."""
+    if not triton_usable(device):
+        return _gather().copy_items_from_table
+    return _triton_table_copy() if device.type == "cuda" else _interpreted_table_copy
+
+
 def load_per_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor, layer: int) -> None:
-    _copy_fn(c.device.device)(c.host, c.device, c.host_map, c.device_map, host_idx, dev_idx, layer, 1)
+    copy_fn(c.device.device)(c.host, c.device, c.host_map, c.device_map, host_idx, dev_idx, layer, 1)
 
 
 def backup_all_layer(c: ComponentIO, host_idx: torch.Tensor, dev_idx: torch.Tensor) -> None:
-    _copy_fn(c.device.device)(c.device, c.host, c.device_map, c.host_map, dev_idx, host_idx, 0, c.layer_num)
+    copy_fn(c.device.device)(c.device, c.host, c.device_map, c.host_map, dev_idx, host_idx, 0, c.layer_num)

@@ -44,6 +44,7 @@ def _copy_items_kernel(
     chunk_numel,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    SRC_TABLE: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     layer = (layer_begin + tl.program_id(1)).to(tl.int64)
@@ -63,10 +64,14 @@ def _copy_items_kernel(
         + (ds % d_page_size) * d_token_stride
         + chunk * d_chunk_stride
     )
+    if SRC_TABLE:  # src_ptr holds one uint64 base address per layer (s_layer_stride is 0)
+        src = tl.load(src_ptr + layer).to(tl.pointer_type(dst_ptr.dtype.element_ty))
+    else:
+        src = src_ptr
     for e0 in range(0, chunk_numel, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         mask = tmask[:, None] & (e < chunk_numel)[None, :]
-        vals = tl.load(src_ptr + s_base[:, None] + e[None, :], mask=mask)
+        vals = tl.load(src + s_base[:, None] + e[None, :], mask=mask)
         tl.store(dst_ptr + d_base[:, None] + e[None, :], vals, mask=mask)
 
 
@@ -100,11 +105,36 @@ def copy_items(
 
     ``src``/``dst`` are contiguous tensors of the same element size; maps are in their elements.
     """
+    elem = src.element_size()
+    w = _word_size(src_map.chunk_numel * elem, src, dst)
+    _launch(_words(src, w), dst, w, elem, src_map, dst_map, src_slots, dst_slots, layer_begin, num_layers, False)
+
+
+def copy_items_from_table(
+    src_layers: torch.Tensor,
+    dst: torch.Tensor,
+    src_map: ItemMap,
+    dst_map: ItemMap,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    layer_begin: int,
+    num_layers: int,
+) -> None:
+    """``copy_items`` from per-layer sources named by address: ``src_layers[l]`` (uint64, on the
+    kernel's device) is where layer ``l`` starts, in ``dst``'s element type; ``src_map`` addresses
+    within one layer (its layer_stride is ignored). Each address must be aligned to the word the
+    chunk moves in (true of torch allocations and of whole-item offsets into them)."""
+    elem = dst.element_size()
+    w = _word_size(src_map.chunk_numel * elem, dst)
+    src_map = ItemMap(src_map.page_size, src_map.page_stride, 0, src_map.token_stride, src_map.chunk_stride,
+                      src_map.chunk_numel, src_map.num_chunks)
+    _launch(src_layers, dst, w, elem, src_map, dst_map, src_slots, dst_slots, layer_begin, num_layers, True)
+
+
+def _launch(src, dst, w, elem, src_map, dst_map, src_slots, dst_slots, layer_begin, num_layers, src_table) -> None:
     n = src_slots.numel()
     if n == 0:
         return
-    elem = src.element_size()
-    w = _word_size(src_map.chunk_numel * elem, src, dst)
     gpu = dst.device if dst.is_cuda else src.device
     src_slots = src_slots.to(gpu, non_blocking=True)
     dst_slots = dst_slots.to(gpu, non_blocking=True)
@@ -118,7 +148,7 @@ def copy_items(
         block_t = max(1, min(32, 2048 // block_e))
     grid = (triton.cdiv(n, block_t), num_layers, src_map.num_chunks)
     _copy_items_kernel[grid](
-        _words(src, w),
+        src,
         _words(dst, w),
         src_slots,
         dst_slots,
@@ -129,4 +159,5 @@ def copy_items(
         chunk_words,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
+        SRC_TABLE=src_table,
     )

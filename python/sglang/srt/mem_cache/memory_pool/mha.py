@@ -31,15 +31,37 @@ class MHATokenToKVPool(KVCache):
             KVComponent("k", dtype, (head_num, head_dim)),
             KVComponent("v", dtype, (head_num, self.v_head_dim)),
         )
+        self._layer_cache: dict[str, tuple] = {}
         super().__init__(size, page_size, layer_num, components, device, start_layer)
+
+    def _layers(self, name: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per-layer views of component ``name`` and a uint64 table of their addresses (on the
+        pool's device), made once per buffer."""
+        buf = self.buffers[name]
+        cached = self._layer_cache.get(name)
+        if cached is None or cached[0] is not buf:
+            layers = list(buf.unbind(0))
+            ptrs = torch.tensor([t.data_ptr() for t in layers], dtype=torch.uint64, device=self.device)
+            cached = self._layer_cache[name] = (buf, layers, ptrs)
+        return cached[1], cached[2]
 
     @property
     def k_buffer(self) -> list[torch.Tensor]:
-        return list(self.buffers["k"].unbind(0))
+        return self._layers("k")[0]
 
     @property
     def v_buffer(self) -> list[torch.Tensor]:
-        return list(self.buffers["v"].unbind(0))
+        return self._layers("v")[0]
+
+    @property
+    def k_data_ptrs(self) -> torch.Tensor:
+        """Addresses of the K layers (uint64, on the pool's device): what a kernel copying every
+        layer reads."""
+        return self._layers("k")[1]
+
+    @property
+    def v_data_ptrs(self) -> torch.Tensor:
+        return self._layers("v")[1]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.layer_view("k", layer_id)

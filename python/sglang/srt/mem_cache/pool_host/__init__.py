@@ -1,4 +1,5 @@
-"""Host (L2) pools, one class per pool kind, and HostPoolGroup.
+"""Host (L2) pools, one class per pool kind, and HostPoolGroup (the DeepSeek-V4 pools live in
+``mem_cache/memory_pool_host.py``, as upstream keeps them).
 
 Names resolve lazily so that ``kvcacheio`` can import ``pool_host.layout`` without a cycle.
 """
@@ -9,11 +10,10 @@ _EXPORTS = {
     "HostKVCache": "base",
     "MHATokenToKVPoolHost": "mha",
     "AsymmetricMHATokenToKVPoolHost": "mha",
+    "get_mha_host_pool_cls": "mha",
     "MLATokenToKVPoolHost": "mla",
     "MambaPoolHost": "mamba",
     "DSAIndexerPoolHost": "dsa",
-    "LogicalHostPool": "dsv4",
-    "DeepSeekV4StateHostPool": "dsv4",
     "HostPoolGroup": "group",
     "PoolEntry": "group",
     "PoolName": "group",

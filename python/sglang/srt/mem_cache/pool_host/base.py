@@ -12,7 +12,6 @@ first slot. Every bad index raises ValueError before any byte moves.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -34,58 +33,72 @@ from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class HostComponent:
-    spec: KVComponent
-    buffer: HostBuffer
-    data: torch.Tensor  # typed view shaped by the layout
-
-    @property
-    def raw(self) -> torch.Tensor:
-        return self.buffer.tensor
-
-
 class HostKVCache:
     """Host mirror of a device pool.
 
-    Sized by ``host_size_gb`` (GB of host memory, when > 0) or else ``host_to_device_ratio``
-    times the device pool size, or exactly ``size`` slots when given (side pools take their
-    anchor's size). The size is rounded down to whole pages.
+    Upstream's keywords: sized by ``host_size`` (GB of host memory, when > 0) or else
+    ``host_to_device_ratio`` times the device pool size, or exactly ``size`` slots when given
+    (side pools take their anchor's size); the size is rounded down to whole pages.
+    ``pin_memory`` None pins when CUDA is present; ``device`` is where the host buffers live
+    (``cpu``); ``io_backend`` None picks ``kernel`` on CUDA, ``direct`` elsewhere.
+
+    ``kv_buffer`` holds the component buffers as the pool kind shapes them (``init_kv_buffer``);
+    a new ``kv_buffer`` takes effect at the next copy.
     """
 
     kind: PoolKind
+    can_use_write_back_jit = False  # staged device -> host backups (the asymmetric MHA pool has them)
     _last_checked = None  # (host indices, device indices, device pool, their versions): see _check_transfer
+    _io_specs_for = None  # the kv_buffer the cached IO specs (_io_specs) were built from
+    _io_specs: dict[str, ComponentIO] = {}
 
     def __init__(
         self,
         device_pool: KVCache,
         host_to_device_ratio: float = 2.0,
-        host_size_gb: float = 0.0,
+        host_size: float = 0.0,
         page_size: int | None = None,
         layout: str | HostLayout = HostLayout.LAYER_FIRST,
-        io_backend: str | IOBackend | None = None,
         pin_memory: bool | None = None,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        *,
+        io_backend: str | IOBackend | None = None,
         size: int | None = None,
     ):
         if device_pool.kind is not self.kind:
             raise TypeError(f"{type(self).__name__} mirrors a {self.kind.value} pool, got {type(device_pool).__name__}")
         self.device_pool = device_pool
-        self.page_size = device_pool.page_size if page_size is None else page_size
-        if self.page_size != device_pool.page_size:
-            raise ValueError(f"page_size {self.page_size} differs from the device pool's {device_pool.page_size}")
-        self.layout = HostLayout.parse(layout)
-        self.io_backend = default_io_backend(device_pool.device) if io_backend is None else IOBackend.parse(io_backend)
-        self.io: IORoutine = resolve_io(self.kind, self.layout, self.io_backend)
+        page_size = device_pool.page_size if page_size is None else page_size
+        if page_size != device_pool.page_size:
+            raise ValueError(f"page_size {page_size} differs from the device pool's {device_pool.page_size}")
+        self.page_size = page_size
         self.layer_num = device_pool.layer_num
         self.start_layer, self.end_layer = device_pool.start_layer, device_pool.end_layer
         self.components = device_pool.components
         self.size_per_token = device_pool.get_size_per_token()
-        self.size = self._resolve_size(host_to_device_ratio, host_size_gb, size)
+        self.dtype = device_pool.dtype
+        size = self._resolve_size(host_to_device_ratio, host_size, size)
+        io_backend = default_io_backend(device_pool.device) if io_backend is None else io_backend
+        self._setup(size, layout, io_backend, pin_memory, device, allocator_type)
+
+    def _setup(self, size: int, layout, io_backend, pin_memory, device, allocator_type) -> None:
+        """Everything after the geometry (page_size, layer_num, components, size_per_token, dtype):
+        the IO cell, the buffers and the slot allocator."""
+        if str(device) != "cpu":
+            raise ValueError(f"host pools live in host memory: device must be 'cpu', got {device!r}")
+        if allocator_type != "default":
+            raise ValueError(f"allocator_type must be 'default' (page-aligned mmap), got {allocator_type!r}")
+        self.device = "cpu"
+        self.layout = HostLayout.parse(layout)
+        self.io_backend = IOBackend.parse(io_backend)
+        self.io: IORoutine = resolve_io(self.kind, self.layout, self.io_backend)
+        self.size = size
         self.page_num = self.size // self.page_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         check_host_memory(self.size * self.size_per_token, f"{type(self).__name__} ({self.size} slots)")
-        self._host = {c.name: self._alloc_component(c) for c in self.components}
-        self._io_specs = {c.name: self._component_io(c, device_pool) for c in self.components}
+        self._host_memory: list[HostBuffer] = []
+        self.kv_buffer = self.init_kv_buffer()
         self.allocator = PagedAllocator(self.page_num, self.page_size)
         logger.info(
             "%s: %d slots (%d pages), %.3f GB, layout=%s, io_backend=%s",
@@ -108,7 +121,7 @@ class HostKVCache:
             slots = int(size_gb * 1e9) // self.size_per_token
         else:
             if ratio <= 0:
-                raise ValueError(f"host_to_device_ratio must be > 0 when host_size_gb is 0, got {ratio}")
+                raise ValueError(f"host_to_device_ratio must be > 0 when host_size is 0, got {ratio}")
             slots = int(self.device_pool.size * ratio)
             if ratio <= 1:
                 logger.warning("host pool (ratio %.2f) is not larger than the device pool", ratio)
@@ -117,16 +130,30 @@ class HostKVCache:
             raise ValueError(f"host pool would hold {slots} slots, less than one page of {P}; raise its size")
         return slots
 
-    def _alloc_component(self, comp: KVComponent) -> HostComponent:
-        shape = host_shape(self.layout, self.size, self.layer_num, self.page_size, comp.item_shape)
-        buf = HostBuffer(self.size * self.layer_num * comp.item_bytes, self.pin_memory)
-        data = buf.tensor.view(storage_dtype(comp.dtype)).view(shape)
-        return HostComponent(comp, buf, data)
+    def init_kv_buffer(self):
+        """Allocate every component's buffer (page-aligned host memory, shaped by the layout) and
+        return them: one tensor for a one-component pool, else a tuple in component order."""
+        tensors = []
+        for comp in self.components:
+            shape = host_shape(self.layout, self.size, self.layer_num, self.page_size, comp.item_shape)
+            buf = HostBuffer(self.size * self.layer_num * comp.item_bytes, self.pin_memory)
+            self._host_memory.append(buf)
+            tensors.append(buf.tensor.view(storage_dtype(comp.dtype)).view(shape))
+        if not tensors:
+            return None
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
-    def _component_io(self, comp: KVComponent, device_pool: KVCache) -> ComponentIO:
+    def _component_buffers(self) -> list[torch.Tensor]:
+        """The typed host tensor of every component, in component order (from ``kv_buffer``)."""
+        buffers = self.kv_buffer
+        if buffers is None:
+            return []
+        return list(buffers) if isinstance(buffers, (tuple, list)) else [buffers]
+
+    def _component_io(self, comp: KVComponent, host: torch.Tensor, device_pool: KVCache) -> ComponentIO:
         chunks = num_chunks(self.layout, comp.item_shape)
         return ComponentIO(
-            host=self._host[comp.name].data,
+            host=host,
             device=device_pool.buffers[comp.name],
             host_map=host_item_map(self.layout, self.size, self.layer_num, self.page_size, comp.item_shape),
             device_map=device_item_map(device_pool.total_slots, self.page_size, comp.item_shape, chunks),
@@ -136,14 +163,13 @@ class HostKVCache:
 
     def host_buffer(self, name: str) -> torch.Tensor:
         """Typed host tensor of component ``name``, shaped by the layout."""
-        return self._host[name].data
+        for comp, buf in zip(self.components, self._component_buffers()):
+            if comp.name == name:
+                return buf
+        raise KeyError(f"{type(self).__name__} has no component {name!r}; has {[c.name for c in self.components]}")
 
     def get_size_per_token(self) -> int:
         return self.size_per_token
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.device_pool.dtype
 
     @property
     def page_format(self) -> str:
@@ -210,10 +236,16 @@ class HostKVCache:
         check_in_range(dev_idx, 0, device_pool.total_slots, "device indices")
         return host_idx, dev_idx
 
-    def _specs_for(self, device_pool: KVCache) -> list[ComponentIO]:
+    def _specs_for(self, device_pool: KVCache) -> dict[str, ComponentIO]:
+        """Component name -> what its copy routine is given, for this pair (cached for the pool's
+        own device pool until ``kv_buffer`` is replaced)."""
+        buffers = self.kv_buffer
+        if device_pool is self.device_pool and self._io_specs_for is buffers:
+            return self._io_specs
+        specs = {c.name: self._component_io(c, h, device_pool) for c, h in zip(self.components, self._component_buffers())}
         if device_pool is self.device_pool:
-            return list(self._io_specs.values())
-        return [self._component_io(c, device_pool) for c in self.components]
+            self._io_specs, self._io_specs_for = specs, buffers
+        return specs
 
     def _resolve(self, io_backend) -> IORoutine:
         if io_backend is None or IOBackend.parse(io_backend) is self.io_backend:
@@ -230,14 +262,14 @@ class HostKVCache:
         host_idx, dev_idx = self._check_transfer(device_pool, host_indices, device_indices)
         if not 0 <= layer_id < self.layer_num:
             raise ValueError(f"layer_id {layer_id} outside [0, {self.layer_num})")
-        for spec in self._specs_for(device_pool):
+        for spec in self._specs_for(device_pool).values():
             routine.load_per_layer(spec, host_idx, dev_idx, layer_id)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend=None) -> None:
         """Copy every layer of the named pages device -> host. Mutates only host slots ``host_indices``."""
         routine = self._resolve(io_backend)
         host_idx, dev_idx = self._check_transfer(device_pool, host_indices, device_indices)
-        for spec in self._specs_for(device_pool):
+        for spec in self._specs_for(device_pool).values():
             routine.backup_all_layer(spec, host_idx, dev_idx)
 
     # ---- pages for storage --------------------------------------------------------------
@@ -254,8 +286,7 @@ class HostKVCache:
         page = index // self.page_size
         P = self.page_size
         chunks = []
-        for comp in self._host.values():
-            data = comp.data
+        for data in self._component_buffers():
             if self.layout is HostLayout.LAYER_FIRST:
                 chunks.extend(data[layer, index : index + P].view(torch.uint8).reshape(-1) for layer in range(self.layer_num))
             elif self.layout is HostLayout.PAGE_FIRST:
@@ -320,24 +351,25 @@ class HostKVCache:
         per_comp = self.layer_num if self.layout is HostLayout.LAYER_FIRST else 1
         return per_comp * len(self.components)
 
-    def is_stride_page_aligned(self, alignment: int = 4096) -> bool:
-        """True exactly when every page buffer starts at a multiple of ``alignment`` and
-        consecutive pages of the same buffer are a multiple of ``alignment`` apart."""
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        """True exactly when every page buffer starts at a multiple of ``page_size_bytes`` and
+        consecutive pages of the same buffer are a multiple of ``page_size_bytes`` apart (what
+        O_DIRECT on every page pointer needs)."""
         if self.page_num == 0 or not self.components:
             return True
         first, sizes = self.get_page_buffer_meta(torch.arange(self.page_size))
-        if any(p % alignment for p in first):
+        if any(p % page_size_bytes for p in first):
             return False
         if self.page_num == 1:  # no second page: the stride is the buffer size
-            return all(s % alignment == 0 for s in sizes)
+            return all(s % page_size_bytes == 0 for s in sizes)
         second, _ = self.get_page_buffer_meta(torch.arange(self.page_size, 2 * self.page_size))
-        return all((b - a) % alignment == 0 for a, b in zip(first, second))
+        return all((b - a) % page_size_bytes == 0 for a, b in zip(first, second))
 
     def get_host_buffers(self) -> list[torch.Tensor]:
-        """Raw uint8 buffers of every component (what a zero-copy backend registers)."""
-        return [c.raw for c in self._host.values()]
+        """Every component's bytes as one flat uint8 tensor each (what a zero-copy backend registers)."""
+        return [t.view(-1).view(torch.uint8) for t in self._component_buffers()]
 
     def destroy(self) -> None:
         """Unpin host memory (pinned pages are slow to release at process exit)."""
-        for comp in self._host.values():
-            comp.buffer.release()
+        for buf in self._host_memory:
+            buf.release()

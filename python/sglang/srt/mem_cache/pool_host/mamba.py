@@ -10,7 +10,9 @@ from sglang.srt.mem_cache.pool_host.layout import HostLayout
 
 
 class MambaPoolHost(HostKVCache):
-    """Flat pages are the raw bytes of one request's states: temporal, then conv_0, conv_1, ..."""
+    """Upstream's constructor: no page_size (one slot per request); the layout defaults to
+    ``page_first_direct`` (one contiguous run per request state). ``kv_buffer`` is the tuple
+    (temporal, conv_0, conv_1, ...); flat pages are one request's states in that order."""
 
     kind = PoolKind.MAMBA
 
@@ -18,21 +20,26 @@ class MambaPoolHost(HostKVCache):
         self,
         device_pool,
         host_to_device_ratio: float = 2.0,
-        host_size_gb: float = 0.0,
-        page_size: int | None = None,
-        layout=HostLayout.PAGE_FIRST_DIRECT,
+        host_size: float = 0.0,
+        pin_memory: bool | None = None,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        layout: str | HostLayout = HostLayout.PAGE_FIRST_DIRECT,
+        *,
         io_backend=None,
-        pin_memory=None,
-        size=None,
+        size: int | None = None,
     ):
-        if page_size not in (None, 1):
-            raise ValueError(f"MambaPoolHost holds one slot per request: page_size must be 1, got {page_size}")
-        super().__init__(device_pool, host_to_device_ratio, host_size_gb, 1, layout, io_backend, pin_memory, size)
+        super().__init__(device_pool, host_to_device_ratio, host_size, 1, layout, pin_memory, device, allocator_type,
+                         io_backend=io_backend, size=size)
+
+    def init_kv_buffer(self) -> tuple[torch.Tensor, ...]:
+        buffers = super().init_kv_buffer()
+        return buffers if isinstance(buffers, tuple) else (buffers,)
 
     @property
     def temporal_buffer(self) -> torch.Tensor:
-        return self.host_buffer("temporal")
+        return self.kv_buffer[0]
 
     @property
-    def conv_buffers(self) -> list[torch.Tensor]:
-        return [self.host_buffer(c.name) for c in self.components if c.name.startswith("conv_")]
+    def conv_buffer(self) -> list[torch.Tensor]:
+        return list(self.kv_buffer[1:])

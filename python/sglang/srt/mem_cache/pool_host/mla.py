@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
 
 class MLATokenToKVPoolHost(HostKVCache):
+    """``kv_buffer`` is the one latent tensor, shaped by the layout with items (1, kv_cache_dim)."""
+
     kind = PoolKind.MLA
 
-    @property
-    def kv_buffer(self) -> torch.Tensor:
-        return self.host_buffer("kv")
-
-    @property
-    def kv_cache_dim(self) -> int:
-        return self.device_pool.kv_cache_dim
+    def __init__(self, device_pool, *args, **kwargs):
+        super().__init__(device_pool, *args, **kwargs)
+        self.kv_cache_dim = device_pool.kv_cache_dim

@@ -132,7 +132,7 @@ def both_paths(src_t, dst_t, src_map, dst_map, src_slots, dst_slots, layers):
 def test_row_and_segment_paths_agree_on_the_same_data(kind, layout):
     src, dst, host, h_idx, s_idx, d_idx = setup(kind, layout, seed=1)
     for comp in host.components:
-        io = host._io_specs[comp.name]
+        io = host._specs_for(host.device_pool)[comp.name]
         # backup direction: device -> host, every layer
         rows, segs = both_paths(io.device, io.host, io.device_map, io.host_map, s_idx, h_idx, range(io.layer_num))
         assert torch.equal(as_u8(rows), as_u8(segs)), f"backup: {comp.name}"
@@ -140,7 +140,7 @@ def test_row_and_segment_paths_agree_on_the_same_data(kind, layout):
         ref[:, h_idx] = as_u8(io.device)[:, s_idx]
         assert torch.equal(as_u8(to_logical(rows, layout)), ref), f"backup vs reference: {comp.name}"
         # load direction: host -> device, one layer
-        io_dst = host._component_io(comp, dst)
+        io_dst = host._specs_for(dst)[comp.name]
         rows, segs = both_paths(io_dst.host, io_dst.device, io_dst.host_map, io_dst.device_map, h_idx, d_idx, range(1, 2))
         assert torch.equal(as_u8(rows), as_u8(segs)), f"load: {comp.name}"
         want = as_u8(io_dst.device).clone()

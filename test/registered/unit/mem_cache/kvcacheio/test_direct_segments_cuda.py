@@ -88,13 +88,13 @@ def both_paths(src_t, dst_t, src_map, dst_map, src_slots, dst_slots, layers):
 def test_row_and_segment_paths_agree_on_cuda(kind, layout):
     src, dst, host, h_idx, s_idx, d_idx = setup(kind, layout, seed=1)
     for comp in host.components:
-        io = host._io_specs[comp.name]
+        io = host._specs_for(host.device_pool)[comp.name]
         rows, segs = both_paths(io.device, io.host, io.device_map, io.host_map, s_idx, h_idx, range(io.layer_num))
         ref = host_bytes(host, comp.name).clone()
         ref[:, h_idx] = as_u8(io.device).cpu()[:, s_idx]
         assert torch.equal(as_u8(to_logical(rows.view(io.host.dtype).view(io.host.shape), layout)), ref), comp.name
         assert torch.equal(rows, segs), f"backup: {comp.name}"
-        io_dst = host._component_io(comp, dst)
+        io_dst = host._specs_for(dst)[comp.name]
         rows, segs = both_paths(io_dst.host, io_dst.device, io_dst.host_map, io_dst.device_map, h_idx, d_idx, range(1, 2))
         want = as_u8(io_dst.device).cpu()
         want[1, d_idx] = host_bytes(host, comp.name)[1, h_idx]

@@ -42,7 +42,7 @@ def test_the_compiled_kernel_serves_cuda_tensors():
 
     assert not triton_kernels._INTERPRETED
     assert kernel.triton_usable(torch.device("cuda"))
-    assert kernel._copy_fn(torch.device("cuda")) is triton_kernels.copy_items  # no interpreter lock
+    assert kernel.copy_fn(torch.device("cuda")) is triton_kernels.copy_items  # no interpreter lock
 
 
 def setup(kind, layout, io="kernel", seed=0):

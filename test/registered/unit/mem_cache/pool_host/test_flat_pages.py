@@ -138,7 +138,7 @@ def test_is_stride_page_aligned_matches_real_addresses(case):
     dev = make_device_pool(kind, dtype, P)
     host = make_host_pool(dev, layout, backend_for(kind, layout))
     for alignment in (512, 4096):
-        assert host.is_stride_page_aligned(alignment) == expected_alignment(host, alignment)
+        assert host.is_stride_page_aligned(page_size_bytes=alignment) == expected_alignment(host, alignment)
     # every buffer starts on a 4096 boundary (mmap memory), whatever the stride
     assert all(b.data_ptr() % 4096 == 0 for b in host.get_host_buffers())
 
@@ -168,15 +168,12 @@ def test_group_alignment_is_the_and_of_members():
     assert kv.is_stride_page_aligned() and aligned_side.is_stride_page_aligned()
     assert not misaligned_side.is_stride_page_aligned()
     assert logical.is_stride_page_aligned()  # no buffers: nothing misaligned
-    ok = HostPoolGroup(PoolEntry(PoolName.KV, kv, kv_dev), [PoolEntry(PoolName.DSV4_STATE, aligned_side, state_dev, True)])
-    assert ok.is_stride_page_aligned()
-    bad = HostPoolGroup(PoolEntry(PoolName.KV, kv, kv_dev), [PoolEntry(PoolName.INDEXER, misaligned_side, idx_dev, True)])
-    assert not bad.is_stride_page_aligned()
-    v4 = HostPoolGroup(
-        PoolEntry(PoolName.KV, logical, anchor_dev), [PoolEntry(PoolName.DSV4_STATE, aligned_side, state_dev, True)]
-    )
-    assert v4.is_stride_page_aligned()
-    v4_bad = HostPoolGroup(
-        PoolEntry(PoolName.KV, logical, anchor_dev), [PoolEntry(PoolName.INDEXER, misaligned_side, idx_dev, True)]
-    )
+    def group(anchor, anchor_dev, name, side, side_dev):
+        return HostPoolGroup([PoolEntry(PoolName.KV, anchor, anchor_dev, is_primary_index_anchor=True),
+                              PoolEntry(name, side, side_dev, shares_anchor_slots=True)])
+
+    assert group(kv, kv_dev, PoolName.DSV4_STATE, aligned_side, state_dev).is_stride_page_aligned()
+    assert not group(kv, kv_dev, PoolName.INDEXER, misaligned_side, idx_dev).is_stride_page_aligned()
+    assert group(logical, anchor_dev, PoolName.DSV4_STATE, aligned_side, state_dev).is_stride_page_aligned()
+    v4_bad = group(logical, anchor_dev, PoolName.INDEXER, misaligned_side, idx_dev)
     assert not v4_bad.is_stride_page_aligned()

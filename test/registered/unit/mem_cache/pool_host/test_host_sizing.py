@@ -48,13 +48,15 @@ def test_smaller_than_a_page_is_refused():
         make_host_pool(dev, "layer_first", "direct", ratio=0)
 
 
-def test_logical_pool_cannot_be_sized_in_gb():
-    anchor = make_device_pool(PoolKind.DSV4_ANCHOR)
-    from sglang.srt.mem_cache.pool_host.dsv4 import LogicalHostPool
+def test_logical_pool_is_sized_in_slots_as_upstream():
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
 
-    with pytest.raises(ValueError, match="holds no bytes"):
-        LogicalHostPool(anchor, 2.0, 1.0)
-    assert LogicalHostPool(anchor, 2.0).size == 2 * anchor.size
+    pool = LogicalHostPool(64, 16, "page_first_direct")  # upstream's (size, page_size, layout)
+    assert (pool.size, pool.page_num, pool.layer_num, pool.kv_buffer) == (64, 4, 0, None)
+    assert pool.get_host_buffers() == [] and pool.get_size_per_token() == 0
+    assert pool.alloc(32).tolist() == list(range(32))
+    with pytest.raises(ValueError, match="positive multiple of page_size"):
+        LogicalHostPool(40, 16)
 
 
 def test_alloc_free_pages():

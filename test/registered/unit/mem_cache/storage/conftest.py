@@ -23,12 +23,8 @@ from sglang.srt.mem_cache.memory_pool import (
     PoolKind,
 )
 from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
-from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
-from sglang.srt.mem_cache.pool_host.dsv4 import DeepSeekV4StateHostPool, LogicalHostPool
-from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.test.kv_pools import make_host_pool
 
 BACKENDS = ["file", "nixl_posix", "nixl_obj"]
 S3_KEYS = {"access_key": "testing", "secret_key": "testing", "region": "us-east-1"}
@@ -51,22 +47,11 @@ def device_pool(kind: PoolKind, dtype=torch.bfloat16, page_size=4, num_pages=8, 
     raise ValueError(kind)
 
 
-HOSTS = {
-    PoolKind.MHA: MHATokenToKVPoolHost,
-    PoolKind.MLA: MLATokenToKVPoolHost,
-    PoolKind.DSA_INDEXER: DSAIndexerPoolHost,
-    PoolKind.DSV4_ANCHOR: LogicalHostPool,
-    PoolKind.DSV4_STATE: DeepSeekV4StateHostPool,
-}
-
-
 def host_pool(kind: PoolKind, layout="page_first_direct", dtype=torch.bfloat16, page_size=4, num_pages=8, size=None, **kw):
     """A host pool of 2 x ``num_pages`` pages (``size`` slots when given)."""
     dev = device_pool(kind, dtype, page_size, num_pages, **kw)
     io = "kernel" if layout in ("page_first", "page_head") else "direct"  # the IO table's cells
-    if kind is PoolKind.MAMBA:
-        return MambaPoolHost(dev, 2.0, 0.0, layout=layout, io_backend=io, size=size)
-    return HOSTS[kind](dev, 2.0, 0.0, page_size, layout, io, size=size)
+    return make_host_pool(dev, layout, io, 2.0, size=size)
 
 
 def fill_random(host, seed: int = 0) -> None:

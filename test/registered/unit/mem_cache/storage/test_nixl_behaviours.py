@@ -62,13 +62,11 @@ def hybrid_group():
     indexer = host_pool(PoolKind.DSA_INDEXER, "page_first_direct", size=kv.size)
     for i, pool in enumerate((kv, mamba, indexer)):
         fill_random(pool, seed=10 + i)
-    return HostPoolGroup(
-        PoolEntry(PoolName.KV, kv, kv.device_pool),
-        [
-            PoolEntry(PoolName.MAMBA, mamba, mamba.device_pool),
-            PoolEntry(PoolName.INDEXER, indexer, indexer.device_pool, shares_anchor_slots=True),
-        ],
-    )
+    return HostPoolGroup([
+        PoolEntry(PoolName.KV, kv, kv.device_pool, is_primary_index_anchor=True),
+        PoolEntry(PoolName.MAMBA, mamba, mamba.device_pool),
+        PoolEntry(PoolName.INDEXER, indexer, indexer.device_pool, shares_anchor_slots=True),
+    ])
 
 
 def transfers(group, keys, first_page, mamba_slot):
@@ -84,7 +82,7 @@ def test_hybrid_set_then_get_isolated_per_pool(make_backend):
     group = hybrid_group()
     store = make_backend(NIXL, group)
     assert set(store.codecs) == {PoolName.KV, PoolName.MAMBA, PoolName.INDEXER}
-    kv, mamba, indexer = (group.entry(n).host_pool for n in (PoolName.KV, PoolName.MAMBA, PoolName.INDEXER))
+    kv, mamba, indexer = (group.get_entry(n).host_pool for n in (PoolName.KV, PoolName.MAMBA, PoolName.INDEXER))
     keys = page_keys(3)
     want = {"kv": pages_of(kv, 0, 3), "idx": pages_of(indexer, 0, 3), "mamba": mamba.get_data_page(1)}
     assert store.batch_set_v2(transfers(group, keys, 0, mamba_slot=1)) == {
@@ -135,8 +133,8 @@ def test_logical_anchor_writes_markers_and_gates_side_pools(make_backend):
     anchor = host_pool(PoolKind.DSV4_ANCHOR)
     state = host_pool(PoolKind.DSV4_STATE, size=anchor.size)
     fill_random(state, seed=4)
-    group = HostPoolGroup(PoolEntry(PoolName.KV, anchor, anchor.device_pool),
-                          [PoolEntry(PoolName.DSV4_STATE, state, state.device_pool, shares_anchor_slots=True)])
+    group = HostPoolGroup([PoolEntry(PoolName.KV, anchor, anchor.device_pool, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.DSV4_STATE, state, state.device_pool, shares_anchor_slots=True)])
     store = make_backend(NIXL, group)
     keys = page_keys(8)
     assert store.batch_set_v1(keys[:5], slots(anchor, 0, 5)) == [True] * 5

@@ -24,8 +24,8 @@ PAGES = 8  # per batch: the host pool holds 16 pages
 def kv_and_indexer():
     kv = host_pool(PoolKind.MHA, "page_first_direct")
     indexer = host_pool(PoolKind.DSA_INDEXER, "page_first_direct", size=kv.size)
-    group = HostPoolGroup(PoolEntry(PoolName.KV, kv, kv.device_pool),
-                          [PoolEntry(PoolName.INDEXER, indexer, indexer.device_pool, shares_anchor_slots=True)])
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv, kv.device_pool, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.INDEXER, indexer, indexer.device_pool, shares_anchor_slots=True)])
     return group, kv, indexer
 
 
