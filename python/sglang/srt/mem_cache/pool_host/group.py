@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -26,31 +27,49 @@ class PoolName(str, Enum):
 
 @dataclass
 class PoolEntry:
+    """One pool of a group (upstream's fields first). ``layer_mapper`` is upstream's map from a
+    transfer layer id to the pool's layer; ours is not consulted: every pool's layers are
+    pool-local and a load moves layer ``l`` of each pool that has it. ``shares_anchor_slots``
+    (ours): a sidecar, addressed with the anchor's slots and never allocated from on its own."""
+
     name: PoolName
     host_pool: HostKVCache
     device_pool: KVCache
+    layer_mapper: Callable[[int], int | None] | None = None
+    is_primary_index_anchor: bool = False
     shares_anchor_slots: bool = False
 
 
 class HostPoolGroup:
-    def __init__(self, anchor: PoolEntry, side_pools: list[PoolEntry] = ()):
-        self.anchor = anchor
-        self.entries: dict[PoolName, PoolEntry] = {anchor.name: anchor}
-        for entry in side_pools:
-            if entry.name in self.entries:
-                raise ValueError(f"pool {entry.name.value!r} is registered twice")
-            if entry.shares_anchor_slots:
-                host = entry.host_pool
-                if (host.size, host.page_size) != (anchor.host_pool.size, anchor.host_pool.page_size):
-                    raise ValueError(
-                        f"sidecar {entry.name.value!r} has {host.size} slots / page {host.page_size}; "
-                        f"the anchor has {anchor.host_pool.size} / {anchor.host_pool.page_size}"
-                    )
-            self.entries[entry.name] = entry
+    """Upstream's constructor: ``entries`` in order; the one marked ``is_primary_index_anchor``
+    (else the first) is the anchor. A sidecar must have the anchor's size and page size."""
+
+    def __init__(self, entries: list[PoolEntry]):
+        if not entries:
+            raise ValueError("HostPoolGroup requires at least one pool entry")
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise ValueError(f"HostPoolGroup pool names must be unique, got {[PoolName(n).value for n in names]}")
+        anchors = [e for e in entries if e.is_primary_index_anchor]
+        if len(anchors) > 1:
+            raise ValueError(f"HostPoolGroup takes at most one anchor, got {[e.name.value for e in anchors]}")
+        self.anchor_entry = anchors[0] if anchors else entries[0]
+        if self.anchor_entry.shares_anchor_slots:
+            raise ValueError(f"the anchor {self.anchor_entry.name.value!r} cannot share another pool's slots")
+        anchor = self.anchor_entry.host_pool
+        for entry in entries:
+            host = entry.host_pool
+            if entry.shares_anchor_slots and (host.size, host.page_size) != (anchor.size, anchor.page_size):
+                raise ValueError(
+                    f"sidecar {entry.name.value!r} has {host.size} slots / page {host.page_size}; "
+                    f"the anchor has {anchor.size} / {anchor.page_size}"
+                )
+        self.entries = list(entries)
+        self.entry_map = {e.name: e for e in entries}
 
     @property
     def anchor_pool(self) -> HostKVCache:
-        return self.anchor.host_pool
+        return self.anchor_entry.host_pool
 
     @property
     def layout(self):
@@ -64,50 +83,53 @@ class HostPoolGroup:
     def size(self) -> int:
         return self.anchor_pool.size
 
-    def names(self) -> list[PoolName]:
-        return list(self.entries)
-
-    def entry(self, name: PoolName) -> PoolEntry:
+    def get_entry(self, name: PoolName | None = None) -> PoolEntry:
+        """The entry of pool ``name`` (the anchor's for None); KeyError naming the pools."""
+        if name is None:
+            return self.anchor_entry
         try:
-            return self.entries[PoolName(name)]
+            return self.entry_map[PoolName(name)]
         except (KeyError, ValueError):
-            raise KeyError(f"no pool {name!r} in this group; has {[n.value for n in self.entries]}") from None
+            label = name.value if isinstance(name, PoolName) else name
+            raise KeyError(f"no pool {label!r} in this group; has {[n.value for n in self.entry_map]}") from None
+
+    def get_pool(self, name: PoolName | None = None) -> HostKVCache:
+        return self.get_entry(name).host_pool
 
     def sidecars(self) -> list[PoolEntry]:
         """Side pools addressed with the anchor's slots."""
-        return [e for e in self.entries.values() if e.shares_anchor_slots]
+        return [e for e in self.entries if e.shares_anchor_slots]
 
-    def _allocating(self, pool: PoolName) -> HostKVCache:
-        entry = self.entry(pool)
+    def _allocating(self, pool: PoolName | None) -> HostKVCache:
+        entry = self.get_entry(pool)
         if entry.shares_anchor_slots:
-            raise ValueError(f"pool {entry.name.value!r} uses the anchor's slots; allocate from {self.anchor.name.value!r}")
+            raise ValueError(
+                f"pool {entry.name.value!r} uses the anchor's slots; allocate from {self.anchor_entry.name.value!r}"
+            )
         return entry.host_pool
 
-    def alloc(self, need_size: int, pool: PoolName = PoolName.KV) -> torch.Tensor | None:
+    def alloc(self, need_size: int, *, pool: PoolName | None = None) -> torch.Tensor | None:
         """Allocate slots from ``pool`` (the anchor by default); None when full."""
         return self._allocating(pool).alloc(need_size)
 
-    def free(self, indices, pool: PoolName = PoolName.KV) -> int:
+    def free(self, indices, *, pool: PoolName | None = None) -> int:
         return self._allocating(pool).free(indices)
 
-    def available_size(self, pool: PoolName = PoolName.KV) -> int:
+    def available_size(self, pool: PoolName | None = None) -> int:
         return self._allocating(pool).available_size()
+
+    def clear(self) -> None:
+        for entry in self.entries:
+            entry.host_pool.clear()
+
+    def destroy(self) -> None:
+        for entry in self.entries:
+            entry.host_pool.destroy()
 
     def get_size_per_token(self) -> int:
         """Bytes per anchor slot over the anchor and its sidecars."""
         return self.anchor_pool.get_size_per_token() + sum(e.host_pool.get_size_per_token() for e in self.sidecars())
 
-    def is_stride_page_aligned(self, alignment: int = 4096) -> bool:
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         """AND over every pool of the group."""
-        return all(e.host_pool.is_stride_page_aligned(alignment) for e in self.entries.values())
-
-    def backup_anchor_pages(self, host_indices, device_indices) -> None:
-        """Device -> host, all layers, for the anchor and every sidecar (same slots)."""
-        for entry in [self.anchor, *self.sidecars()]:
-            entry.host_pool.backup_from_device_all_layer(entry.device_pool, host_indices, device_indices)
-
-    def load_anchor_pages_per_layer(self, host_indices, device_indices, layer_id: int) -> None:
-        """Host -> device for layer ``layer_id`` of the anchor and of each sidecar that has it."""
-        for entry in [self.anchor, *self.sidecars()]:
-            if layer_id < entry.host_pool.layer_num:
-                entry.host_pool.load_to_device_per_layer(entry.device_pool, host_indices, device_indices, layer_id)
+        return all(e.host_pool.is_stride_page_aligned(page_size_bytes) for e in self.entries)
