@@ -75,6 +75,11 @@ class ServerArgs:
     host: str = opt("127.0.0.1", "address to bind")
     port: int = opt(30000, "port to bind")
     log_level: str = opt("info", "logging level", LOG_LEVELS)
+    api_key: str | None = opt(None, "API key of the server (also of the OpenAI routes): requests need 'Authorization: "
+                              "Bearer KEY'; /health* and /metrics stay open (docs/server.md, Security)")
+    admin_api_key: str | None = opt(None, "admin API key: the cache and storage routes (/flush_cache, L3 attach, detach, "
+                                    "status, clear) need 'Authorization: Bearer KEY' and do not accept --api-key; "
+                                    "without it they are refused (403)")
     enable_metrics: bool = opt(False, "accepted for upstream compatibility; /metrics is always served")
     enable_cache_report: bool = opt(False, "accepted for upstream compatibility; OpenAI usage always reports "
                                     "prompt_tokens_details.cached_tokens")
@@ -93,6 +98,9 @@ class ServerArgs:
                                                _choices(PrefetchPolicy))
     hicache_storage_backend_extra_config: str | None = opt(
         None, "backend options: a JSON object, or @path to a .json or .toml file")
+    hicache_storage_roots: str | None = opt(None, "directories (comma-separated, existing) under which a runtime "
+                                            "attach may place L3 storage, besides the startup storage directory; "
+                                            "an attach naming any other directory is refused")
     disable_hicache_numa_detect: bool = opt(False, "accepted for upstream compatibility; no effect (host pools "
                                             "are not NUMA-bound here)")
     # prefill/decode disaggregation (docs/pd_transfer.md)
@@ -147,7 +155,7 @@ class ServerArgs:
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:
-            for name in ("hicache_storage_backend", "hicache_storage_backend_extra_config"):
+            for name in ("hicache_storage_backend", "hicache_storage_backend_extra_config", "hicache_storage_roots"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{flag_name(name)} needs --enable-hierarchical-cache")
             return
@@ -168,6 +176,10 @@ class ServerArgs:
         if self.hicache_storage_backend_extra_config is not None and self.hicache_storage_backend is None:
             raise ValueError("--hicache-storage-backend-extra-config needs --hicache-storage-backend")
         self.storage_extra_config  # parse now: a bad value stops the server at startup
+        for root in self.storage_roots:
+            if not os.path.isabs(root) or not os.path.isdir(root):
+                raise ValueError(f"--hicache-storage-roots {root!r} is invalid; each entry must be an existing "
+                                 "directory given by its absolute path")
 
     def _check_io_cell(self) -> None:
         """The (layout, io_backend) cell must exist in the kvcacheio dispatch table (MHA pools)."""
@@ -226,6 +238,11 @@ class ServerArgs:
     def storage_extra_config(self) -> dict:
         """--hicache-storage-backend-extra-config as a dict ({} when unset)."""
         return load_extra_config(self.hicache_storage_backend_extra_config)
+
+    @property
+    def storage_roots(self) -> tuple[str, ...]:
+        """--hicache-storage-roots as a tuple of directories (empty when unset)."""
+        return tuple(r.strip() for r in (self.hicache_storage_roots or "").split(",") if r.strip())
 
     def url(self, path: str = "") -> str:
         return f"http://{self.host}:{self.port}{path}"

@@ -1,4 +1,5 @@
-"""Client helpers for the runtime L3 attach / detach routes (shared by the attach tests)."""
+"""Client helpers for the runtime L3 attach / detach routes (shared by the attach tests). The
+routes need the admin key: start the server with ``*ADMIN_FLAGS``; the helpers send ``ADMIN``."""
 
 import json
 import time
@@ -7,10 +8,13 @@ PROMPT_IDS = list(range(10, 50))  # 40 tokens = 10 pages of 4
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 DEADLINE_S = 60.0
 CALL_TIMEOUT_S = 30.0  # a rank out of step hangs the server: fail fast instead
+ADMIN_KEY = "test-admin-key"
+ADMIN_FLAGS = ("--admin-api-key", ADMIN_KEY)
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def status(server) -> dict:
-    resp = server.get("/hicache_storage_backend")
+    resp = server.get("/hicache_storage_backend", headers=ADMIN)
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -23,7 +27,11 @@ def attach(server, backend="file", extra=None, **fields):
     body = {"hicache_storage_backend": backend, **fields}
     if extra is not None:
         body["hicache_storage_backend_extra_config_json"] = extra
-    return server.post("/attach_hicache_storage_backend", body, timeout=CALL_TIMEOUT_S)
+    return server.post("/attach_hicache_storage_backend", body, timeout=CALL_TIMEOUT_S, headers=ADMIN)
+
+
+def detach(server):
+    return server.post("/detach_hicache_storage_backend", timeout=CALL_TIMEOUT_S, headers=ADMIN)
 
 
 def until_not_busy(call):
@@ -37,7 +45,7 @@ def until_not_busy(call):
 
 
 def flush(server):
-    resp = until_not_busy(lambda: server.post("/flush_cache", timeout=CALL_TIMEOUT_S))
+    resp = until_not_busy(lambda: server.post("/flush_cache", timeout=CALL_TIMEOUT_S, headers=ADMIN))
     assert resp.status_code == 200, resp.text
 
 

@@ -1,8 +1,10 @@
 """The HTTP server: FastAPI routes over the Engine, served by uvicorn.
 
-Native routes: ``/generate`` (text or input_ids, SSE streaming), ``/health``, ``/flush_cache``;
-``/get_server_info``, ``/get_model_info`` and ``/metrics`` live in ``info_routes.py``,
-the OpenAI-compatible routes in ``openai_api.py``. Bad input answers 4xx with ``{"error": {"message": ...}}``
+Native routes: ``/generate`` (text or input_ids, SSE streaming), ``/health``, ``/flush_cache``
+(POST, admin key); ``/get_server_info``, ``/get_model_info`` and ``/metrics`` live in
+``info_routes.py``, the OpenAI-compatible routes in ``openai_api.py``, the L3 admin routes in
+``hicache_admin.py``. Every route is checked by ``utils/auth.py`` (``--api-key``,
+``--admin-api-key``) before it runs. Bad input answers 4xx with ``{"error": {"message": ...}}``
 and the server keeps serving; a dead scheduler makes every route answer 503.
 """
 
@@ -13,16 +15,25 @@ import contextlib
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sglang.srt.entrypoints.engine import Engine
-from sglang.srt.entrypoints.http_common import SSE_DONE, error_response, meta_info, read_json, refusal_message, sse
+from sglang.srt.entrypoints.http_common import (
+    SSE_DONE,
+    RequestStream,
+    error_response,
+    meta_info,
+    read_json,
+    refusal_message,
+    sse,
+)
 from sglang.srt.entrypoints.hicache_admin import register_hicache_admin_routes
 from sglang.srt.entrypoints.info_routes import register_info_routes
 from sglang.srt.entrypoints.openai_api import register_openai_routes
 from sglang.srt.managers.generate_request import BadRequestError, GenerateReqInput
 from sglang.srt.managers.io_struct import ControlKind
 from sglang.srt.managers.tokenizer_manager import EngineDeadError
+from sglang.srt.utils.auth import AuthLevel, add_api_key_middleware, auth_level
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +83,13 @@ def create_app(engine: Engine) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         obj = GenerateReqInput.from_json(await read_json(request))
-        req = tm.tokenize(obj)
+        sent = tm.send(tm.tokenize(obj))  # the rid is taken before any response starts
         if obj.stream:
-            return StreamingResponse(_stream_generate(req, obj, request), media_type="text/event-stream")
-        state = await last_state(tm.generate(req, request))
+            return RequestStream(_stream_generate(sent, obj, request), on_close=lambda: tm.release(sent))
+        try:
+            state = await last_state(tm.generate(sent, request))
+        finally:
+            tm.release(sent)
         if state is None or state.finish is None:
             return Response(status_code=499)  # the client went away
         message = refusal_message(state)
@@ -83,9 +97,9 @@ def create_app(engine: Engine) -> FastAPI:
             raise BadRequestError(message)
         return JSONResponse(generate_response(state, obj, tm.tokenizer))
 
-    async def _stream_generate(req, obj, request):
+    async def _stream_generate(sent, obj, request):
         try:
-            async for state in tm.generate(req, request):
+            async for state in tm.generate(sent, request):
                 message = refusal_message(state)
                 yield sse({"error": {"message": message, "code": 400}} if message
                           else generate_response(state, obj, tm.tokenizer))
@@ -99,7 +113,8 @@ def create_app(engine: Engine) -> FastAPI:
             return error_response(503, tm.error or "a scheduler process is not running", "ServiceUnavailable")
         return Response(status_code=200)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")  # upstream also answers GET; a mutation is POST only here
+    @auth_level(AuthLevel.ADMIN_FORCE)
     async def flush_cache():
         out = await tm.control(ControlKind.FLUSH_CACHE)
         if not out.ok and out.payload.get("flush_incomplete"):
@@ -111,6 +126,7 @@ def create_app(engine: Engine) -> FastAPI:
     register_info_routes(app, engine)
     register_openai_routes(app, engine)
     register_hicache_admin_routes(app, engine)
+    add_api_key_middleware(app, api_key=engine.args.api_key, admin_api_key=engine.args.admin_api_key)
     return app
 
 

@@ -4,6 +4,7 @@ sglang-router (0.3.x) registers a worker by probing ``/server_info`` and ``/mode
 falling back, with a deprecation warning, to the ``/get_*`` routes; both spellings are served so
 the router registers workers without warnings. It takes the model id from
 ``served_model_name`` and loads its tokenizer from ``model_path`` / ``tokenizer_path``.
+The flags in ``/get_server_info`` never hold a secret (``public_args``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from fastapi.responses import Response
 
 from sglang.srt.managers.io_struct import ControlKind
 from sglang.srt.metrics.collector import CONTENT_TYPE_LATEST, render_metrics
+from sglang.srt.utils.redact import REDACTED, redact_config_json
+
+SECRET_FLAGS = ("api_key", "admin_api_key")
 
 
 def _version() -> str:
@@ -50,13 +54,24 @@ def model_info(args) -> dict:
     }
 
 
+def public_args(args) -> dict:
+    """The server's flags as reported: the API keys replaced by ``REDACTED`` when set, the
+    storage extra config with its secrets redacted (``utils/redact.py``)."""
+    flags = args.to_dict()
+    for name in SECRET_FLAGS:
+        if flags.get(name):
+            flags[name] = REDACTED
+    flags["hicache_storage_backend_extra_config"] = redact_config_json(flags["hicache_storage_backend_extra_config"])
+    return flags
+
+
 def register_info_routes(app: FastAPI, engine) -> None:
     tm, args = engine.tokenizer_manager, engine.args
     info = model_info(args)
 
     async def server_info():
         stats = await tm.control(ControlKind.GET_STATS)
-        return {**args.to_dict(), **engine.info, "model_name": args.model_name,
+        return {**public_args(args), **engine.info, "model_name": args.model_name,
                 "served_model_name": args.model_name, "tokenizer_path": info["tokenizer_path"],
                 "version": _version(), "scheduler": stats.payload}
 

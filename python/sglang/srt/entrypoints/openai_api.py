@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from sglang.srt.entrypoints.http_common import SSE_DONE, read_json, refusal_message, sse
+from sglang.srt.entrypoints.http_common import SSE_DONE, RequestStream, read_json, refusal_message, sse
 from sglang.srt.entrypoints.openai_convert import OpenAIRequest, parse_chat, parse_completion
 from sglang.srt.managers.generate_request import BadRequestError
 from sglang.srt.managers.tokenizer_manager import EngineDeadError
@@ -80,12 +80,15 @@ class _Route:
 
     async def handle(self, request: Request):
         oreq = self.parse(await read_json(request))
-        req = self.tm.tokenize(oreq.gen)
+        sent = self.tm.send(self.tm.tokenize(oreq.gen))  # the rid is taken before any response starts
         if oreq.gen.stream:
-            return StreamingResponse(self._stream(req, oreq, request), media_type="text/event-stream")
+            return RequestStream(self._stream(sent, oreq, request), on_close=lambda: self.tm.release(sent))
         state = None
-        async for state in self.tm.generate(req, request):
-            pass
+        try:
+            async for state in self.tm.generate(sent, request):
+                pass
+        finally:
+            self.tm.release(sent)
         if state is None or state.finish is None:
             return Response(status_code=499)
         message = refusal_message(state)
@@ -97,10 +100,10 @@ class _Route:
         body["usage"] = usage(state)
         return JSONResponse(body)
 
-    async def _stream(self, req, oreq: OpenAIRequest, request: Request):
+    async def _stream(self, req_state, oreq: OpenAIRequest, request: Request):
         sent, first, state = 0, True, None
         try:
-            async for state in self.tm.generate(req, request):
+            async for state in self.tm.generate(req_state, request):
                 message = refusal_message(state)
                 if message is not None:
                     yield sse({"error": {"message": message, "code": 400}})

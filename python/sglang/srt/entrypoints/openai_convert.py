@@ -16,6 +16,7 @@ from sglang.srt.managers.generate_request import (
     check_token_ids,
 )
 from sglang.srt.managers.request_schema import parse_request
+from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 
 DEFAULT_CHAT_MAX_TOKENS = 128  # upstream: up to the context length; here every page is reserved at admission
 
@@ -72,8 +73,8 @@ def parse_completion(body: dict) -> OpenAIRequest:
         raise BadRequestError("a list of several prompts is not supported; send one prompt per request")
     else:
         ids = check_token_ids("prompt", prompt)
-    if req.logprobs is not None and req.logprobs < 0:
-        raise BadRequestError(f"logprobs must be >= 0, got {req.logprobs}")
+    if req.logprobs is not None and not 0 <= req.logprobs <= TOP_LOGPROBS_MAX:
+        raise BadRequestError(f"logprobs must be in [0, {TOP_LOGPROBS_MAX}] (the limit), got {req.logprobs}")
     params = _sampling_params(req, req.max_tokens)
     gen = GenerateReqInput(text=text, input_ids=ids, sampling_params=params, stream=req.stream,
                            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,

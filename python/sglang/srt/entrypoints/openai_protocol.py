@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from sglang.srt.managers.request_schema import RequestModel, Unsupported
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (upstream's too)
+from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX as MAX_TOP_LOGPROBS  # OpenAI's limit (upstream's)
 CHAT_ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 _DP = "this server has a single data-parallel rank (0)"
 _GRAMMAR = "constrained decoding is not implemented"
@@ -74,7 +73,7 @@ class _OpenAIBase(RequestModel):
         "frequency_penalty": Unsupported(_PENALTY),
         "presence_penalty": Unsupported(_PENALTY),
         "logit_bias": Unsupported("logit bias is not implemented"),
-        "n": Unsupported("one choice per request (send n requests)"),
+        "n": Unsupported("the limit is 1 choice per request (send n requests)"),
         "return_hidden_states": Unsupported("hidden states are not returned"),
         "return_routed_experts": Unsupported("no mixture-of-experts routing is recorded"),
         "routed_experts_start_len": Unsupported("no mixture-of-experts routing is recorded"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from sglang.srt.managers.request_schema import BadRequestError, RequestModel, Unsupported, parse_request
-from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX, SamplingParams
 
 __all__ = ["BadRequestError", "GenerateReqInput", "check_bootstrap_fields", "check_token_ids", "parse_sampling_params"]
 
@@ -186,8 +186,9 @@ class GenerateReqInput(RequestModel):
         self.sampling_params = {} if self.sampling_params is None else self.sampling_params
         self.return_logprob = bool(self.return_logprob)
         self.top_logprobs_num = self.top_logprobs_num or 0
-        if self.top_logprobs_num < 0:
-            raise BadRequestError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
+        if not 0 <= self.top_logprobs_num <= TOP_LOGPROBS_MAX:
+            raise BadRequestError(f"top_logprobs_num must be in [0, {TOP_LOGPROBS_MAX}] (the limit, as OpenAI's), "
+                                  f"got {self.top_logprobs_num}")
         if self.logprob_start_len not in (None, -1) and self.return_logprob:
             raise BadRequestError(f"logprob_start_len={self.logprob_start_len} is not supported by this server: "
                                   "prompt logprobs are not computed; use -1 (output tokens only)")

@@ -1,8 +1,9 @@
 """The base of every request body schema: strict pydantic models with readable 400s.
 
 A body is validated by ``parse_request(Model, body, route)``: unknown fields, wrong types,
-NaN or infinite numbers and lone UTF-16 surrogates in strings all raise ``BadRequestError``
-naming the field (a JSON path such as ``messages[0].content``) and what is allowed.
+NaN or infinite numbers, integers beyond 64 bits and lone UTF-16 surrogates in strings all
+raise ``BadRequestError`` naming the field (a JSON path such as ``messages[0].content``) and
+what is allowed.
 
 Upstream sglang's schemas carry many fields for features this engine lacks. Each model lists
 them in ``UNSUPPORTED`` (field -> why): such a field is accepted at its default value (or an
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 EMPTY_VALUES = (None, "", [], {})
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class BadRequestError(ValueError):
@@ -42,9 +44,19 @@ class RequestModel(BaseModel):
 
     @model_validator(mode="after")
     def _check_after_types(self):
+        self.check_int_ranges()
         self.check_unsupported()
         self.check_values()
         return self
+
+    def check_int_ranges(self) -> None:
+        """BadRequestError for a top-level integer field beyond signed 64 bits (nested objects
+        are checked where they are read, e.g. ``SamplingParams``)."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                raise BadRequestError(f"{name} holds an integer of {len(str(abs(value)))} digits; the limit is a "
+                                      "signed 64-bit integer")
 
     def check_values(self) -> None:
         """Cross-field checks and normalisation of a subclass (runs after the type checks)."""

@@ -11,25 +11,37 @@ the tree's TP group (MIN), with one collective each whatever happens locally:
 2. attach: the backend was built on every rank; a rank that built it closes it again when
    another one failed, so a failed attach leaves every rank as it was.
 
-The status (backend name, extra config as given, prefetch and write policy) is upstream's
-shape; ``hicache_storage_backend`` is None while nothing is attached.
+The status (backend name, extra config with its secrets redacted, prefetch and write policy)
+is upstream's shape; ``hicache_storage_backend`` is None while nothing is attached.
+
+What a request may attach (``check_attach_allowed``, before anything is imported or created):
+the ``dynamic`` backend only with the ``module_path`` / ``class_name`` the server was started
+with, and directories (``DIRECTORY_KEYS``) only inside the storage roots: the startup extra
+config's directories and ``--hicache-storage-roots``. Refusal messages and log lines never quote
+a secret of the extra config (``utils/redact.py``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 from sglang.srt.managers.io_struct import ControlKind, ControlOutput, ControlReq
 from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy, WritePolicy
 from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg
+from sglang.srt.utils.redact import redact_config_json, redact_text
 
 logger = logging.getLogger(__name__)
 
 ADMIN_KINDS = (ControlKind.ATTACH_HICACHE_STORAGE, ControlKind.DETACH_HICACHE_STORAGE,
                ControlKind.GET_HICACHE_STORAGE)
 HTTP_STATUS = "http_status"  # payload key of a refusal: the status the route answers
+# extra config keys that name L3 directories (file: storage_dir / upstream's file_storage_path;
+# nixl: storage_dir, comma-separated, or the list storage_dirs)
+DIRECTORY_KEYS = ("storage_dir", "file_storage_path", "storage_dirs")
+DYNAMIC_KEYS = ("module_path", "class_name")
 
 
 class AdminRefusal(Exception):
@@ -48,7 +60,8 @@ class AttachRequest:
     write_policy: WritePolicy | None
 
     @classmethod
-    def from_payload(cls, payload: dict) -> "AttachRequest":
+    def from_payload(cls, payload: dict, args) -> "AttachRequest":
+        """Validated fields; AdminRefusal(403) for what ``args`` (the server's flags) do not allow."""
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         name = payload.get("hicache_storage_backend")
@@ -57,11 +70,57 @@ class AttachRequest:
             raise AdminRefusal(400, f"hicache_storage_backend {name!r} is not allowed; choose one of: "
                                     f"{', '.join(known)}")
         extra = payload.get("hicache_storage_backend_extra_config_json")
-        parse_extra_config_arg(extra, "hicache_storage_backend_extra_config_json")  # ValueError names the field
+        extra_dict = parse_extra_config_arg(extra, "hicache_storage_backend_extra_config_json")  # names the field
+        check_attach_allowed(args, name, extra_dict)
         prefetch = payload.get("hicache_storage_prefetch_policy")
         write = payload.get("hicache_write_policy")
         return cls(name, extra, PrefetchPolicy.parse(prefetch) if prefetch is not None else None,
                    WritePolicy.parse(write) if write is not None else None)
+
+
+def named_dirs(extra: dict) -> list[tuple[str, str]]:
+    """``(key, directory)`` for every directory an extra config names (``DIRECTORY_KEYS``)."""
+    found = []
+    for key in DIRECTORY_KEYS:
+        value = extra.get(key)
+        entries = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+        found += [(key, d.strip()) for d in entries if isinstance(d, str) and d.strip()]
+    return found
+
+
+def storage_roots(args) -> tuple[str, ...]:
+    """Where a runtime attach may put L3 pages: ``--hicache-storage-roots`` and the directories of
+    the startup extra config, symlinks resolved."""
+    roots = list(args.storage_roots)
+    if args.hicache_storage_backend is not None:
+        roots += [d for _, d in named_dirs(args.storage_extra_config)]
+    return tuple(dict.fromkeys(os.path.realpath(r) for r in roots))
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_attach_allowed(args, backend: str, extra: dict) -> None:
+    """AdminRefusal(403) unless ``args`` allow attaching ``backend`` with ``extra``: ``dynamic``
+    only as configured at startup (a request never names a module to import), every named
+    directory inside ``storage_roots`` (checked with symlinks resolved; nothing is created)."""
+    if backend == "dynamic":
+        if args.hicache_storage_backend != "dynamic":
+            raise AdminRefusal(403, "backend 'dynamic' can be attached only on a server started with "
+                                    "--hicache-storage-backend dynamic (a request never names a module to import)")
+        startup = args.storage_extra_config
+        for key in DYNAMIC_KEYS:
+            if extra.get(key) != startup.get(key):
+                raise AdminRefusal(403, f"backend 'dynamic': extra config key {key!r} must be the one the server "
+                                        f"was started with ({startup.get(key)!r}); a request never names a module "
+                                        "to import")
+    roots = storage_roots(args)
+    for key, directory in named_dirs(extra):
+        if not any(_inside(os.path.realpath(directory), root) for root in roots):
+            allowed = ", ".join(roots) if roots else "none configured"
+            raise AdminRefusal(403, f"extra config key {key!r}: {directory} is outside the storage roots "
+                                    f"({allowed}); add a root with --hicache-storage-roots")
 
 
 class StorageAdmin:
@@ -86,7 +145,7 @@ class StorageAdmin:
         attached = hicache and self.controller.storage is not None
         return {
             "hicache_storage_backend": self.backend_name if attached else None,
-            "hicache_storage_backend_extra_config": self.extra_config_json if attached else None,
+            "hicache_storage_backend_extra_config": redact_config_json(self.extra_config_json) if attached else None,
             "hicache_storage_prefetch_policy": self.tree.prefetch_stop_policy.value if hicache else None,
             "hicache_write_policy": self.controller.write_policy.value if hicache else None,
         }
@@ -113,7 +172,7 @@ class StorageAdmin:
 
     # ---- operations -------------------------------------------------------------------------
     def attach(self, payload: dict) -> str:
-        req = AttachRequest.from_payload(payload)
+        req = AttachRequest.from_payload(payload, self.scheduler.args)
         if self.controller.storage is not None:
             raise AdminRefusal(409, f"storage backend {self.backend_name!r} is already attached; detach it first")
         if req.write_policy is not None and req.write_policy is not self.controller.write_policy:
@@ -126,8 +185,9 @@ class StorageAdmin:
             self.controller.attach_storage_backend(req.backend, req.extra_config_json, self.scheduler.args.model_name)
             self._check_tree_takes(self.controller.storage)
         except Exception as exc:  # noqa: BLE001 - a bad config or a failing constructor: refused
-            logger.warning("attaching storage backend %r failed: %s", req.backend, exc)
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)
+            error = redact_text(error, req.extra_config_json, self.scheduler.args.storage_extra_config)
+            logger.warning("attaching storage backend %r failed: %s", req.backend, error)
             self.controller.detach_storage_backend()  # a half-accepted attach (tree check) is undone
         if not self.tree.agreement.all_true(error is None):
             if error is None:
@@ -179,10 +239,11 @@ def handle_storage_admin(scheduler, msg: ControlReq) -> ControlOutput:
         if not scheduler.hicache:
             raise AdminRefusal(400, "runtime storage attach/detach needs --enable-hierarchical-cache")
         message = admin.attach(msg.payload) if msg.kind is ControlKind.ATTACH_HICACHE_STORAGE else admin.detach()
-    except AdminRefusal as exc:
-        return ControlOutput(msg.cid, False, str(exc), payload={**admin.status(), HTTP_STATUS: exc.status})
-    except ValueError as exc:  # a field of the request
-        return ControlOutput(msg.cid, False, str(exc), payload={**admin.status(), HTTP_STATUS: 400})
+    except (AdminRefusal, ValueError) as exc:  # ValueError: a field of the request
+        status = exc.status if isinstance(exc, AdminRefusal) else 400
+        message = redact_text(str(exc), msg.payload.get("hicache_storage_backend_extra_config_json"),
+                              scheduler.args.storage_extra_config)
+        return ControlOutput(msg.cid, False, message, payload={**admin.status(), HTTP_STATUS: status})
     return ControlOutput(msg.cid, True, message, payload=admin.status())
 
 

@@ -2,8 +2,13 @@
 
 It validates and tokenizes requests, sends them to scheduler rank 0, and turns the scheduler's
 outputs into per-request states that HTTP handlers await. A reader thread moves messages from
-the output queue onto the event loop. A handler that stops waiting before its request
-finished (client disconnected) aborts it in the scheduler.
+the output queue onto the event loop.
+
+A request's life: ``tokenize`` (checks, no state), ``send`` (registers the rid, refusing one in
+use, and queues the request: synchronous, so two requests with one rid cannot both pass, and
+called by the handler before any response starts), ``generate`` (yields its states), then
+``release`` (idempotent: aborts it in the scheduler if unfinished and forgets the rid). A handler
+that stops waiting before its request finished (client disconnected) thereby aborts it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class ReqState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    released: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -159,8 +165,7 @@ class TokenizerManager:
             raise BadRequestError(f"prompt ({n} tokens) + max_new_tokens ({max_new}) exceeds the KV pool "
                                   f"({self.max_total_tokens} tokens)")
         rid = obj.rid or uuid.uuid4().hex
-        if rid in self.rid_to_state:
-            raise BadRequestError(f"rid {rid!r} is already in use")
+        self._check_rid_free(rid)  # early answer; ``send`` is the atomic check
         return TokenizedGenerateReqInput(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
                                          **self._bootstrap(obj))
 
@@ -183,16 +188,41 @@ class TokenizerManager:
                                   f"{TOP_LOGPROBS_MAX} top logprobs of the first token from prefill to decode")
         return {"bootstrap_host": obj.bootstrap_host, "bootstrap_port": port, "bootstrap_room": obj.bootstrap_room}
 
-    async def generate(self, req: TokenizedGenerateReqInput, request=None):
-        """Yield the request's state each time it changes, until it finishes. Aborts the request
-        when the caller stops iterating early or ``request`` (a starlette Request) disconnects."""
+    def _check_rid_free(self, rid: str) -> None:
+        if rid in self.rid_to_state:
+            raise BadRequestError(f"rid {rid!r} is already in use by a request in flight; rids must be unique")
+
+    def send(self, req: TokenizedGenerateReqInput) -> ReqState:
+        """Register ``req`` under its rid and queue it for the scheduler; the caller must
+        ``release`` the returned state. BadRequestError when the rid is in use, EngineDeadError
+        when the scheduler is gone. Synchronous: nothing else runs between the check and the
+        registration."""
         if self.error is not None:
             raise EngineDeadError(self.error)
+        self._check_rid_free(req.rid)
         params = req.sampling_params
         state = ReqState(req.rid, req, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop))
         self.rid_to_state[req.rid] = state
         self.metrics.num_requests_received += 1
         self.in_queue.put(req)
+        return state
+
+    def release(self, state: ReqState) -> None:
+        """Abort ``state``'s request in the scheduler if it has not finished and forget its rid;
+        a second call does nothing."""
+        if state.released:
+            return
+        state.released = True
+        if state.finish is None and self.error is None:
+            self.in_queue.put(AbortReq(state.rid))
+        if self.rid_to_state.get(state.rid) is state:
+            del self.rid_to_state[state.rid]
+
+    async def generate(self, state: ReqState, request=None):
+        """Yield ``state`` (from ``send``) each time it changes, until it finishes; releases it
+        when it finishes, when the caller stops iterating or when ``request`` (a starlette
+        Request) disconnects."""
+        req = state.req
         try:
             while True:
                 try:
@@ -210,9 +240,7 @@ class TokenizerManager:
                 if state.finish is not None:
                     return
         finally:
-            if state.finish is None and self.error is None:
-                self.in_queue.put(AbortReq(req.rid))
-            self.rid_to_state.pop(req.rid, None)
+            self.release(state)
 
     async def control(self, kind: ControlKind, timeout: float = 60.0, payload: dict | None = None) -> ControlOutput:
         if self.error is not None:

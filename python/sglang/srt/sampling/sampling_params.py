@@ -3,6 +3,8 @@
 ``from_dict`` reads a request's ``sampling_params`` object with upstream sglang's key set:
 null means "the default" for every key but ``max_new_tokens`` (as upstream), and the keys of
 features this engine lacks (``UPSTREAM_ONLY``) are accepted only at their default value.
+What a request may ask is bounded (the limits below): every stop string is looked for at every
+decode step, and every integer fits in 64 bits (a seed or token id reaches torch).
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ import math
 from dataclasses import dataclass, field, fields
 
 TOP_LOGPROBS_MAX = 20  # OpenAI's (and upstream's) limit on top logprobs per token
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # upstream key -> (the value we can serve, why any other value cannot be served)
 UPSTREAM_ONLY = {
@@ -19,7 +25,7 @@ UPSTREAM_ONLY = {
     "presence_penalty": (0.0, "penalties are not implemented"),
     "repetition_penalty": (1.0, "penalties are not implemented"),
     "min_new_tokens": (0, "a minimum output length is not implemented"),
-    "n": (1, "one completion per request (send n requests)"),
+    "n": (1, "the limit is 1 completion per request (send n requests)"),
     "json_schema": (None, "constrained decoding is not implemented"),
     "regex": (None, "constrained decoding is not implemented"),
     "ebnf": (None, "constrained decoding is not implemented"),
@@ -57,6 +63,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self._check_types()
+        self._check_sizes()
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 0, "an integer >= 0"),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
@@ -93,6 +100,23 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(v, item_type) for v in value):
                 raise ValueError(f"sampling param {name}={value!r} must be a list of {item_type.__name__}")
+
+    def _check_sizes(self) -> None:
+        limits = [
+            ("stop", len(self.stop), MAX_STOP_STRINGS, "strings", "MAX_STOP_STRINGS"),
+            ("stop", max(map(len, self.stop), default=0), MAX_STOP_STRING_CHARS, "characters in one string",
+             "MAX_STOP_STRING_CHARS"),
+            ("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids", "MAX_STOP_TOKEN_IDS"),
+        ]
+        for name, size, limit, unit, const in limits:
+            if size > limit:
+                raise ValueError(f"sampling param {name} has {size} {unit}; the limit is {limit} ({const})")
+        ints = [(f.name, getattr(self, f.name)) for f in fields(self)]
+        ints += [("stop_token_ids", t) for t in self.stop_token_ids]
+        for name, value in ints:
+            if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"sampling param {name} holds an integer of {len(str(abs(value)))} digits; the "
+                                 "limit is a signed 64-bit integer")
 
     @property
     def is_greedy(self) -> bool:

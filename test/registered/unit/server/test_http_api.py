@@ -19,6 +19,7 @@ from upstream_bodies import (BENCH_MULTITURN, ROUTER_CHAT, ROUTER_COMPLETION, RO
 register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+ADMIN_KEY = "test-admin-key"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def server(model):
     # upstream flags accepted without effect ride along, so a launch with them is tested too
     srv = launch_server_process(model, "--context-length", "4096", "--max-total-tokens", "8192",
                                 "--served-model-name", "tiny-qwen3", "--tokenizer-path", model, "--enable-metrics",
-                                "--enable-cache-report", "--trust-remote-code", "--disable-hicache-numa-detect")
+                                "--enable-cache-report", "--trust-remote-code", "--disable-hicache-numa-detect",
+                                "--admin-api-key", ADMIN_KEY)
     try:
         yield srv
     finally:
@@ -139,7 +141,7 @@ def test_flush_cache_drops_device_prefixes(server):
     server.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
     again = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
     assert again["meta_info"]["cached_tokens"] == 49
-    resp = server.post("/flush_cache")
+    resp = server.post("/flush_cache", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert resp.status_code == 200 and "flushed" in resp.text
     assert metric(server, "sglang:cache_pool_used_tokens", tier="device") == 0
     cold = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
