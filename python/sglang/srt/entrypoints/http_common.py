@@ -22,8 +22,8 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     """The body, refused (BadRequestError naming the limit) as soon as ``Content-Length`` or the
     bytes read so far exceed ``limit``: an oversized body is never held whole."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequestError(f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    if declared is not None and declared.isdigit() and (len(declared) > 20 or int(declared) > limit):
+        raise BadRequestError(f"request body of {declared[:24]} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -12,10 +12,11 @@ HTTP request before routing:
   only; refused with 403 when the server has no admin key, whatever the request sends. Upstream
   leaves its storage routes open when no key is configured; this server does not.
 
-``/health*``, ``/ready*`` and ``/metrics*`` are always open (probes and scrapers carry no
-secret), as upstream. Keys are compared in constant time, as bytes (a non-ASCII header cannot
-raise). Refusals use the server's error shape: 401 (``WWW-Authenticate: Bearer``) for a missing
-or wrong key, 403 when the route cannot be unlocked; the message never holds a key.
+An empty key counts as unset (upstream's truthiness). ``/health*``, ``/ready*`` and
+``/metrics*`` are always open (probes and scrapers carry no secret), as upstream. Keys are
+compared in constant time, as bytes (a non-ASCII header cannot raise). Refusals use the
+server's error shape: 401 (``WWW-Authenticate: Bearer``) for a missing or wrong key, 403 when
+the route cannot be unlocked; the message never holds a key.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
-    srv = launch_server_process(model, "--context-length", "1024", "--max-total-tokens", "4096")
+    # an empty key is no key (as upstream); named explicitly so a launcher default cannot add one
+    srv = launch_server_process(model, "--context-length", "1024", "--max-total-tokens", "4096", "--admin-api-key", "")
     try:
         yield srv
     finally:

@@ -137,7 +137,8 @@ def test_directories_must_lie_inside_the_roots(tmp_path):
     a = args("file", {"storage_dir": str(startup)}, roots=(str(root),))
     assert storage_roots(a) == (str(root), str(startup))
     for extra in ({"storage_dir": str(root / "new" / "l3")}, {"file_storage_path": str(startup)},
-                  {"storage_dirs": [str(root / "a"), str(startup / "b")]}, {"storage_dir": f"{root}/a,{startup}/b"}, {}):
+                  {"storage_dirs": [str(root / "a"), str(startup / "b")]},
+                  {"storage_dir": f"{root}/a,{startup}/b"}, {}):
         check_attach_allowed(a, "file", extra)
     for extra in ({"storage_dir": str(outside)}, {"storage_dir": str(root / "link" / "l3")},
                   {"storage_dir": str(root) + "-sibling"}, {"storage_dirs": [str(root / "a"), "/etc"]},
