@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -208,7 +209,9 @@ def bench(url: str, args) -> dict:
 
     args.url = url
     info = requests.get(url + "/get_server_info", timeout=30).json()
-    requests.post(url + "/flush_cache", timeout=30).raise_for_status()
+    admin_key = getattr(args, "admin_api_key", None) or os.environ.get("SGLANG_ADMIN_API_KEY")
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    requests.post(url + "/flush_cache", headers=headers, timeout=30).raise_for_status()  # an admin route
     with NoisyNeighbours(getattr(args, "noisy_neighbours", 0)):
         records, wall = asyncio.run(run_clients(args, info))
     summary = summarize(records, wall)

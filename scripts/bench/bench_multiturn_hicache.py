@@ -52,6 +52,7 @@ PREFILL_MODEL = ["--hidden", "512", "--layers", "8", "--heads", "8", "--kv-heads
 def run_server(model: str, flags: list[str], args) -> dict:
     with launch_server_process(model, *flags, timeout_s=600) as srv:
         print(f"server {' '.join(flags)}", flush=True)
+        args.admin_api_key = srv.admin_headers["Authorization"].removeprefix("Bearer ")  # bench flushes first
         return bench(srv.url, args)
 
 

@@ -3,7 +3,10 @@
 ``launch_server_process(model_path, *flags)`` runs ``python -m sglang.launch_server`` on a free
 port of 127.0.0.1 in its own process group, waits for ``/health``, and returns a handle whose
 ``stop()`` terminates the whole group (schedulers included). Start-up failures raise with the
-tail of the server log; every wait has a deadline, so nothing hangs.
+tail of the server log; every wait has a deadline, so nothing hangs. The server gets
+``--admin-api-key TEST_ADMIN_API_KEY`` unless the flags name one, and the handle's ``get`` /
+``post`` send that key when given no headers, so tests reach the admin routes (``/flush_cache``,
+L3 attach / detach) as before.
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ from sglang.test.engine_utils import REPO_ROOT
 from sglang.test.multiprocess import free_port
 
 
+TEST_ADMIN_API_KEY = "sglang-test-admin-key"
+
+
 class ServerStartError(RuntimeError):
     pass
 
 
 class ServerProcess:
+    admin_headers: dict = {}  # Authorization of the admin key (set by launch_server_process)
+
     def __init__(self, proc: subprocess.Popen, port: int, log_path: str):
         self.proc, self.port, self.log_path = proc, port, log_path
         self.url = f"http://127.0.0.1:{port}"
@@ -38,9 +46,11 @@ class ServerProcess:
             return ""
 
     def post(self, path: str, json=None, timeout: float = 120, **kwargs) -> requests.Response:
+        kwargs.setdefault("headers", self.admin_headers)
         return requests.post(self.url + path, json=json, timeout=timeout, **kwargs)
 
     def get(self, path: str, timeout: float = 30, **kwargs) -> requests.Response:
+        kwargs.setdefault("headers", self.admin_headers)
         return requests.get(self.url + path, timeout=timeout, **kwargs)
 
     def generate(self, input_ids=None, text=None, timeout: float = 120, **fields) -> dict:
@@ -128,5 +138,10 @@ def _healthy(url: str) -> bool:
 def launch_server_process(model_path: str, *flags: str, timeout_s: float = 120, env: dict | None = None,
                           log_dir: str | None = None) -> ServerProcess:
     port = free_port()
+    if "--admin-api-key" not in flags:
+        flags = (*flags, "--admin-api-key", TEST_ADMIN_API_KEY)
+    admin_key = flags[flags.index("--admin-api-key") + 1]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--port", str(port), *flags]
-    return start_process(cmd, port, _healthy, "server", timeout_s, env=env, log_dir=log_dir)
+    server = start_process(cmd, port, _healthy, "server", timeout_s, env=env, log_dir=log_dir)
+    server.admin_headers = {"Authorization": f"Bearer {admin_key}"}
+    return server
