@@ -35,7 +35,12 @@ time: the sides of a repetition run close together, so a load that drifts betwee
 cancels); the best of each side and best-over-best follow, then ``cpu`` the paired median on the
 CPU seconds of the process (on a shared machine the least noisy view of the work done; not
 meaningful for O_DIRECT, which waits on the device). ``--obj`` adds NIXL OBJ against a local
-moto S3 server (its ratio is against local files). The load average is printed.
+moto S3 server (its ratio is against local files). ``--mooncake`` adds the Mooncake backend against a
+local ``mooncake_master`` (TCP on 127.0.0.1), its pages held by a separate client that contributes
+the store's only segment (the shared-L3 case: every page crosses the transfer engine), and a
+``mooncake_raw`` row: the same pages through a bare client's ``batch_put_from`` /
+``batch_get_into`` (no key derivation, trailer or check). The ``mooncake`` row's ratio is against
+``mooncake_raw`` (ours / raw), ``mooncake_raw``'s against local files. The load average is printed.
 """
 
 from __future__ import annotations
@@ -180,6 +185,68 @@ class RawNixlHashed(RawNixl):
         native_io.hash_objects(self._iov)
 
 
+class RawMooncake:
+    """The same pages through a bare Mooncake client: one ``batch_put_from`` / ``batch_get_into``
+    of every page's host memory (registered), fresh keys every repetition. What Mooncake itself
+    costs: the ``mooncake`` row's ratio against it is ours / raw."""
+
+    def __init__(self, host, pages: list[memoryview], master):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup("127.0.0.1", master.metadata_server, 0, 16 << 20, "tcp", "",
+                                master.master_server_address)
+        if code != 0:
+            raise RuntimeError(f"raw Mooncake client: setup failed ({code})")
+        for buf in host.get_host_buffers():
+            self.store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
+        self.ptrs = [host.get_data_page(i * PAGE_TOKENS, flat=False)[0].data_ptr() for i in range(len(pages))]
+        self.sizes = [len(p) for p in pages]
+        self.keys = {}
+
+    def _keys(self, rep: int) -> list[str]:
+        if rep not in self.keys:
+            self.keys[rep] = [f"bench-raw/{uuid.uuid4().hex}" for _ in self.ptrs]
+        return self.keys[rep]
+
+    def set(self, rep: int) -> None:
+        codes = self.store.batch_put_from(self._keys(rep), self.ptrs, self.sizes)
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"raw Mooncake put: {sorted(set(codes))}")
+
+    def get(self, rep: int) -> None:
+        codes = self.store.batch_get_into(self._keys(rep), self.ptrs, self.sizes)
+        if codes != self.sizes:
+            raise RuntimeError(f"raw Mooncake get: {sorted(set(codes))}")
+
+    def clear(self, rep: int) -> None:
+        self.store.batch_remove(self.keys.pop(rep, []), True)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class MooncakeHolder:
+    """A ``mooncake_master`` on 127.0.0.1 and one client holding the store's only segment."""
+
+    def __init__(self, segment_bytes: int):
+        from mooncake.store import MooncakeDistributedStore
+
+        from sglang.test.mooncake_master import MooncakeMaster
+
+        self.master = MooncakeMaster().start()
+        self.client = MooncakeDistributedStore()
+        code = self.client.setup("127.0.0.1", self.master.metadata_server, segment_bytes, 16 << 20, "tcp", "",
+                                 self.master.master_server_address)
+        if code != 0:
+            self.master.close()
+            raise RuntimeError(f"Mooncake segment holder: setup failed ({code})")
+
+    def close(self) -> None:
+        self.client.close()
+        self.master.close()
+
+
 class Backend:
     def __init__(self, store, num_pages: int, label: str):
         self.store, self.label = store, label
@@ -244,7 +311,7 @@ def obj_extra(endpoint: str) -> dict:
     return {"plugin": "obj", "plugin_params": {**params, **S3}}
 
 
-def cases(args, root: str, endpoint: str | None) -> list[tuple[str, str, dict, bool]]:
+def cases(args, root: str, endpoint: str | None, mooncake=None) -> list[tuple[str, str, dict, bool]]:
     """(label, factory name, extra config, O_DIRECT) of every backend to measure."""
     out = [
         ("file", "file", {"storage_dir": f"{root}/file"}, False),
@@ -255,6 +322,8 @@ def cases(args, root: str, endpoint: str | None) -> list[tuple[str, str, dict, b
         out.append(("nixl_posix_direct", "nixl", {"storage_dir": f"{root}/nixl_d", "use_direct_io": "true"}, True))
     if endpoint:
         out.append(("nixl_obj", "nixl", obj_extra(endpoint), False))
+    if mooncake is not None:  # no segment of its own: pages live in the holder's
+        out.append(("mooncake", "mooncake", mooncake.master.extra_config(global_segment_size=0), False))
     return out
 
 
@@ -299,13 +368,13 @@ def record(label: str, op: str, page_bytes: int, total: int, ours: list, base: l
     }
 
 
-def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict]:
+def measure(args, page_bytes: int, root: str, endpoint: str | None, mooncake=None) -> list[dict]:
     """Every backend and the baseline(s) of one page size, interleaved (see run_case)."""
     host = make_pool(page_bytes, args.pages)
     pages = [memoryview(host.get_data_page(i * PAGE_TOKENS, flat=False)[0].numpy()) for i in range(args.pages)]
     stores, sides, baseline_of = [], {}, {}
     try:
-        for label, name, extra, direct in cases(args, root, endpoint):
+        for label, name, extra, direct in cases(args, root, endpoint, mooncake):
             cfg = HiCacheStorageConfig.from_cache_params(CacheInitParams(page_size=PAGE_TOKENS), host, "bench", extra)
             stores.append(StorageBackendFactory.create_backend(name, cfg, host))
             sides[label] = Backend(stores[-1], args.pages, label)
@@ -321,6 +390,11 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None) -> list[dict
                 sides["nixl_raw_hashed"] = hashed = RawNixlHashed(pages, f"{root}/nixl_raw_h", False, host)
                 stores.append(hashed)
                 baseline_of["nixl_raw_hashed"] = ("baseline", False)
+        if mooncake is not None:
+            sides["mooncake_raw"] = raw = RawMooncake(host, pages, mooncake.master)
+            stores.append(raw)
+            baseline_of["mooncake"] = ("mooncake_raw", False)  # ours / raw Mooncake
+            baseline_of["mooncake_raw"] = ("baseline", False)
         times = run_case(args, sides)
     finally:
         for store in stores:
@@ -340,19 +414,25 @@ def main() -> None:
     parser.add_argument("--direct", action="store_true", help="also NIXL POSIX with O_DIRECT")
     parser.add_argument("--no-raw-nixl", dest="raw_nixl", action="store_false",
                         help="skip the bare NIXL POSIX row (the same files moved by one NIXL transfer)")
+    parser.add_argument("--mooncake", action="store_true",
+                        help="also the Mooncake backend and a bare Mooncake client (a local mooncake_master)")
     parser.add_argument("--json", default=None, help="write the records to this file as a JSON list")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_storage_", dir="/tmp")
     moto, endpoint = start_moto() if args.obj else (None, None)
+    # room for one repetition of both Mooncake sides (each clears its pages after it), with slack
+    mooncake = MooncakeHolder(3 * args.pages * max(args.page_kib) * 1024) if args.mooncake else None
     load_before = os.getloadavg()
     records = []
     try:
         for kib in args.page_kib:
-            records += measure(args, kib * 1024, os.path.join(root, f"{kib}k"), endpoint)
+            records += measure(args, kib * 1024, os.path.join(root, f"{kib}k"), endpoint, mooncake)
             shutil.rmtree(os.path.join(root, f"{kib}k"), ignore_errors=True)
     finally:
         if moto is not None:
             moto.terminate()
+        if mooncake is not None:
+            mooncake.close()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
@@ -365,6 +445,10 @@ def main() -> None:
         print(f"{r['backend']:<18} {r['op']:<4} {r['page_bytes'] // 1024:>6}Ki {r['gbps_median']:>7.2f} "
               f"{r['baseline_gbps_median']:>7.2f} {r['ratio']:>6.2f} | {r['gbps']:>7.2f} {r['baseline_gbps']:>7.2f} "
               f"{r['ratio_best']:>6.2f} {cpu}")
+    for r in records:
+        if r["backend"] == "mooncake":
+            print(f"mooncake / mooncake_raw at {r['page_bytes'] // 1024} KiB pages, {r['op']}: {r['ratio']:.2f} "
+                  f"(best over best {r['ratio_best']:.2f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -34,6 +34,7 @@ class StorageBackendFactory:
     _registry: dict[str, Callable[[HiCacheStorageConfig], str]] = {
         "file": _fixed("sglang.srt.mem_cache.hicache_storage:HiCacheFile"),
         "nixl": _fixed("sglang.srt.mem_cache.storage.nixl.hicache_nixl:HiCacheNixl"),
+        "mooncake": _fixed("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store:MooncakeStore"),
         "dynamic": _from_extra_config,
     }
     # backends that store one key over several host pages (HiCacheStorageConfig.storage_page_size)

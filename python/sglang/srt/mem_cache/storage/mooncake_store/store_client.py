@@ -1,0 +1,208 @@
+"""The Mooncake store client behind the backend: setup, registered memory, batched calls and
+the meaning of their return codes.
+
+Mooncake answers every key of a batch with an int: a byte count or 0 on success, a negative
+``ErrorCode`` otherwise. :func:`classify` maps each onto an :class:`Outcome`, so the backend
+never compares raw codes. Store keys are the backend's object names under :data:`KEY_PREFIX`,
+which marks this fork's pages in a store shared with other users (and lets ``clear`` find them).
+
+Availability. Measured with the 0.3.13 wheel: while the master is gone, a call returns RPC_FAIL
+at once or after Mooncake's own reconnect attempt (about 4.5 s); a peer that stopped answering
+holds a transfer for about three times Mooncake's TCP progress/status timeouts (30 s each by
+default), which :func:`bound_tcp_timeouts` derives from ``transfer_timeout_s``. A call never
+returns while Mooncake may still write host memory, so a miss leaves no late write behind. After
+an RPC failure the master counts as unavailable: every call misses at once
+(:class:`MooncakeUnavailable`) until the client's heartbeat has found it back (Mooncake remounts
+the client's segment by itself), see :meth:`MooncakeClient.check_available`: recovery needs no
+restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from enum import Enum
+
+from sglang.srt.mem_cache.hicache_storage import StorageBackendError
+from sglang.srt.mem_cache.storage.mooncake_store.mooncake_config import DEFAULT_LOCAL_BUFFER_SIZE, MooncakeOptions
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "sglang-hicache/"
+TCP_TIMEOUT_ENVS = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+PROBE_AFTER_S = 5.0  # after an RPC failure the heartbeat never confirmed: when to try again
+
+
+class Outcome(Enum):
+    OK = "ok"
+    ABSENT = "absent"  # not stored (never, evicted, or still being written)
+    WRONG_SIZE = "wrong_size"  # stored with another length than the page's object
+    UNAVAILABLE = "unavailable"  # the master did not answer
+    FAILED = "failed"  # a transfer or store error (a peer gone, the store full, ...)
+
+
+# Mooncake ErrorCode values (mooncake-store/include/types.h)
+NO_AVAILABLE_HANDLE = -200  # the store is full
+INVALID_PARAMS = -600  # on a get: the buffers are smaller than the object
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+REPLICA_IS_GONE = -712
+_ABSENT = {OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, REPLICA_IS_GONE}
+
+
+def classify(code: int, expected: int | None = None) -> Outcome:
+    """The outcome of one key's return ``code``; ``expected``: the byte count of a whole get."""
+    if code >= 0:
+        return Outcome.OK if expected is None or code == expected else Outcome.WRONG_SIZE
+    if code in _ABSENT:
+        return Outcome.ABSENT
+    if code == OBJECT_ALREADY_EXISTS:  # a put of a key someone stored first: the page is there
+        return Outcome.OK
+    if -999 <= code <= -900:  # RPC_FAIL and the heartbeat RPC errors
+        return Outcome.UNAVAILABLE
+    if code == INVALID_PARAMS and expected is not None:
+        return Outcome.WRONG_SIZE
+    return Outcome.FAILED
+
+
+class MooncakeUnavailable(StorageBackendError):
+    """The master is unreachable: a miss for the caller, logged once when it starts."""
+
+    quiet = True
+
+
+def bound_tcp_timeouts(transfer_timeout_s: float) -> None:
+    """Set Mooncake's TCP progress/status timeouts (read when its transport starts) so that a
+    transfer from a silent peer fails within about ``transfer_timeout_s``; values already in the
+    environment win."""
+    per_phase = str(max(1, math.ceil(transfer_timeout_s / 3)))
+    for name in TCP_TIMEOUT_ENVS:
+        os.environ.setdefault(name, per_phase)
+
+
+class MooncakeClient:
+    """One ``MooncakeDistributedStore`` set up for this rank. Thread-safe (Mooncake's client is)."""
+
+    def __init__(self, options: MooncakeOptions, segment_bytes: int, device_name: str):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise ImportError("the mooncake backend needs the Mooncake wheel (pip install 'sglang[mooncake]') and "
+                              f"Debian's libibverbs1 and librdmacm1: {exc}") from exc
+        bound_tcp_timeouts(options.transfer_timeout_s)
+        self.store = MooncakeDistributedStore()
+        kwargs = {} if options.tenant_id == "default" else {"tenant_id": options.tenant_id}
+        code = self.store.setup(options.local_hostname, options.metadata_server, segment_bytes,
+                                DEFAULT_LOCAL_BUFFER_SIZE, options.protocol, device_name,
+                                options.master_server_address, **kwargs)
+        if code != 0:
+            raise StorageBackendError(f"Mooncake setup failed (code {code}) with master "
+                                      f"{options.master_server_address}, metadata server {options.metadata_server}, "
+                                      f"protocol {options.protocol}")
+        self.master = options.master_server_address
+        self._registered: dict[int, int] = {}  # address -> bytes
+        self._lock = threading.Lock()
+        self._down_since: float | None = None  # when an RPC failed; None: the master answers
+        self._saw_unreachable = False  # health_check() reported the master unreachable since then
+
+    # ---- memory -------------------------------------------------------------------------
+    def register(self, address: int, nbytes: int) -> None:
+        """Register host memory for zero-copy transfers (once per address)."""
+        with self._lock:
+            if nbytes == 0 or self._registered.get(address, -1) >= nbytes:
+                return
+            code = self.store.register_buffer(address, nbytes)
+            if code != 0:
+                raise StorageBackendError(f"Mooncake register_buffer of {nbytes} bytes failed (code {code})")
+            self._registered[address] = nbytes
+
+    # ---- availability -------------------------------------------------------------------
+    def check_available(self, what: str) -> None:
+        """Raise MooncakeUnavailable while the master is known to be unreachable.
+
+        Mooncake's ``health_check()`` still answers "healthy" for a few seconds after the master
+        died, until its heartbeat notices, and each call then waits out a reconnect attempt. So
+        after an RPC failure calls miss at once until the heartbeat has reported the master
+        unreachable and then back (or, if it never reported it, PROBE_AFTER_S later: one call
+        then tries again)."""
+        if self._down_since is None:
+            return
+        healthy = self.store.health_check() == 0
+        with self._lock:
+            if self._down_since is None:
+                return
+            if not healthy:
+                self._saw_unreachable = True
+                raise MooncakeUnavailable(f"Mooncake {what} skipped: master {self.master} unreachable")
+            if not self._saw_unreachable and time.monotonic() - self._down_since < PROBE_AFTER_S:
+                raise MooncakeUnavailable(f"Mooncake {what} skipped: master {self.master} failed an RPC")
+            logger.warning("Mooncake master %s: calls resume after %.1fs", self.master,
+                           time.monotonic() - self._down_since)
+            self._down_since = None
+
+    def _settle(self, what: str, outcomes: list[Outcome]) -> list[Outcome]:
+        if Outcome.UNAVAILABLE in outcomes:
+            with self._lock:
+                if self._down_since is None:
+                    self._down_since, self._saw_unreachable = time.monotonic(), False
+                    logger.warning("Mooncake master %s unreachable during %s: storage calls miss until it returns",
+                                   self.master, what)
+        return outcomes
+
+    # ---- batched calls ------------------------------------------------------------------
+    def exists(self, names: list[str]) -> list[Outcome]:
+        """One query for every name: OK (stored), ABSENT, UNAVAILABLE or FAILED."""
+        self.check_available("exists")
+        codes = self.store.batch_is_exist([KEY_PREFIX + n for n in names])
+        return self._settle("exists", [Outcome.OK if c == 1 else Outcome.ABSENT if c == 0 else classify(c)
+                                       for c in codes])
+
+    def get_into(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[Outcome]:
+        """Read object i into the buffers ``ptrs[i]`` (``sizes[i]`` bytes each, registered)."""
+        self.check_available("get")
+        codes = self.store.batch_get_into_multi_buffers([KEY_PREFIX + n for n in names], ptrs, sizes)
+        return self._settle("get", [classify(c, sum(s)) for c, s in zip(codes, sizes)])
+
+    def put_from(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[Outcome]:
+        """Store object i from the buffers ``ptrs[i]``. A key already stored stays as it is
+        (Mooncake keeps the first write); its outcome is OK."""
+        self.check_available("set")
+        codes = self.store.batch_put_from_multi_buffers([KEY_PREFIX + n for n in names], ptrs, sizes)
+        if NO_AVAILABLE_HANDLE in codes:
+            logger.debug("Mooncake store full: %d of %d objects not stored", codes.count(NO_AVAILABLE_HANDLE),
+                         len(codes))
+        return self._settle("set", [classify(c) for c in codes])
+
+    def get_bytes(self, name: str) -> bytes:
+        """The object's bytes through Mooncake's local buffer (b"" when absent)."""
+        self.check_available("get")
+        return self.store.get(KEY_PREFIX + name)
+
+    def put_parts(self, name: str, parts: list) -> Outcome:
+        """Store one object from unregistered memory (copied through Mooncake's local buffer)."""
+        self.check_available("set")
+        return self._settle("set", [classify(self.store.put_parts(KEY_PREFIX + name, *parts))])[0]
+
+    def size_of(self, name: str) -> int | None:
+        """The stored length of ``name``; None when absent or unknown."""
+        size = self.store.get_size(KEY_PREFIX + name)
+        return size if size >= 0 else None
+
+    def remove(self, names: list[str]) -> None:
+        """Remove objects, leases notwithstanding (a corrupt page must not be served again)."""
+        self.store.batch_remove([KEY_PREFIX + n for n in names], True)
+
+    def clear(self) -> int:
+        """Remove every page this fork stored in the store (all deployments sharing it)."""
+        return self.store.remove_by_regex(f"^{KEY_PREFIX}.*", True)
+
+    def close(self) -> None:
+        with self._lock:
+            registered, self._registered = self._registered, {}
+        for address in registered:
+            self.store.unregister_buffer(address)
+        self.store.close()
