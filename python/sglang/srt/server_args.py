@@ -351,7 +351,8 @@ def load_extra_config(value: str | None) -> dict:
         except OSError as exc:
             raise ValueError(f"{flag} {value!r}: cannot read the file ({exc.strerror})") from None
         return _parse_config_bytes(raw, ext, f"{flag} {value!r}")
-    return _parse_config_bytes(value.encode(), ".json", f"{flag} {value!r}")
+    # the inline value is not quoted: it may hold credentials (access_key, secret_key)
+    return _parse_config_bytes(value.encode(), ".json", f"{flag} (inline JSON, {len(value)} characters)")
 
 
 def _toml_module(what: str):

@@ -549,7 +549,7 @@ class HiCacheFile(PagedStorage):
     """The embedded backend: one file per key and pool under a directory (``storage/file/``).
 
     The directory is the extra config's ``storage_dir`` (or upstream's ``file_storage_path``),
-    else ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else ``file_path``, else /tmp/hicache."""
+    else ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, else ``file_path``, else ``<tempdir>/hicache-<uid>`` (created 0700)."""
 
     object_format = FILE_OBJECT_FORMAT
     per_component = False

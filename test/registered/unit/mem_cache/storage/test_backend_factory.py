@@ -38,7 +38,7 @@ def mha():
 
 
 def test_known_names_and_lazy_classes(mha, tmp_path):
-    assert StorageBackendFactory.known_backends() == ["dynamic", "file", "nixl"]
+    assert StorageBackendFactory.known_backends() == ["dynamic", "file", "mooncake", "nixl"]
     cfg = storage_config(mha, {"storage_dir": str(tmp_path)})
     store = StorageBackendFactory.create_backend("file", cfg, mha)
     assert isinstance(store, HiCacheFile) and isinstance(store, HiCacheStorage)
@@ -47,10 +47,10 @@ def test_known_names_and_lazy_classes(mha, tmp_path):
 
 def test_unknown_or_broken_backends_name_the_known_ones(mha, tmp_path):
     cfg = storage_config(mha, {"storage_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match="unknown storage backend 'mooncake'; known: dynamic, file, nixl"):
-        StorageBackendFactory.create_backend("mooncake", cfg, mha)
+    with pytest.raises(ValueError, match="unknown storage backend 'hf3fs'; known: dynamic, file, mooncake, nixl"):
+        StorageBackendFactory.create_backend("hf3fs", cfg, mha)
     bad_import = storage_config(mha, {"module_path": "no.such.module", "class_name": "X"})
-    with pytest.raises(ValueError, match="cannot load no.such.module:X.*known: dynamic, file, nixl"):
+    with pytest.raises(ValueError, match="cannot load no.such.module:X.*known: dynamic, file, mooncake, nixl"):
         StorageBackendFactory.create_backend("dynamic", bad_import, mha)
     wrong_type = storage_config(mha, {"module_path": __name__, "class_name": "NotAStorage"})
     with pytest.raises(ValueError, match="not a HiCacheStorage subclass"):

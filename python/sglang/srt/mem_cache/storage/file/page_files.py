@@ -51,17 +51,18 @@ from sglang.srt.mem_cache.storage.posix_files import (
 )
 from sglang.srt.mem_cache.storage.pool_codec import ObjectIO, PageIO, PoolCodec
 from sglang.srt.mem_cache.storage.stats import StorageStats
+from sglang.srt.utils.private_dir import user_private_dir
 
 logger = logging.getLogger(__name__)
 
 TRAILER_BYTES = 64
 SUFFIX = ".bin"
 OBJECT_FORMAT = f"file-page/t{TRAILER_BYTES}"
-DEFAULT_STORAGE_DIR = "/tmp/hicache"
+DEFAULT_STORAGE_DIR_NAME = "hicache"  # the default: <tempdir>/hicache-<uid>, private (user_private_dir)
 STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 ALIASES = {"file_storage_path": "storage_dir"}  # upstream's spelling
 EXTRA_KEYS = (
-    ExtraKey("storage_dir", str, DEFAULT_STORAGE_DIR, env=STORAGE_DIR_ENV),
+    ExtraKey("storage_dir", str, "", env=STORAGE_DIR_ENV, help="default: <tempdir>/hicache-<uid>, created 0700"),
     ExtraKey("capacity_gb", float, 0.0, minimum=0.0, help="0: half the free space of the filesystem"),
     ExtraKey("io_threads", int, 2, minimum=1,
              help="threads moving a batch: pages of 1 MiB and more, or 32 KiB and more with the native helper "
@@ -91,7 +92,7 @@ class PageFiles:
 
     def __init__(self, opts: dict, stats: StorageStats):
         self.stats = stats
-        self.root = os.path.abspath(opts["storage_dir"])
+        self.root = os.path.abspath(opts["storage_dir"] or user_private_dir(DEFAULT_STORAGE_DIR_NAME))
         self.read_only = not prepare_root(self.root, "file backend", "storage_dir")
         if self.read_only:
             logger.warning("HiCacheFile: %s is not writable: serving reads only, every set is a miss", self.root)

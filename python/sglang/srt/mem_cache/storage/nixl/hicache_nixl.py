@@ -52,7 +52,7 @@ class HiCacheNixl(PagedStorage):
     """The NIXL backend. ``HiCacheNixl(storage_config, file_path=...)`` as upstream: the storage
     directories are the extra config's ``storage_dir`` / ``storage_dirs``, else
     ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``, else ``file_path`` (comma-separated), else
-    /tmp/hicache_storage. Upstream's attribute names hold: ``agent`` (the NIXL agent),
+    <tempdir>/hicache_storage-<uid> (private). Upstream's attribute names hold: ``agent`` (the NIXL agent),
     ``file_manager`` (None for OBJ), ``needs_page_alignment``, ``is_zero_copy`` (of the KV pool),
     ``_hybrid_pool_ctx`` (per pool, KV included), ``backup_skip``."""
 

@@ -9,8 +9,8 @@ Two forms of plugin selection are accepted:
 Files (POSIX) go under ``storage_dir`` or, one directory per disk, ``storage_dirs`` (a list, or
 a comma-separated ``SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR``), else under the backend's
 ``file_path`` argument (comma-separated too; upstream's constructor keyword), else under
-/tmp/hicache_storage. ``use_direct_io`` (default true, upstream's key) asks for O_DIRECT where a
-pool's pages are 4096-aligned; a filesystem that refuses it falls back to buffered I/O with a
+<tempdir>/hicache_storage-<uid> (created 0700, refusing a symlink or another user's directory).
+``use_direct_io`` (default true, upstream's key) asks for O_DIRECT where a pool's pages are 4096-aligned; a filesystem that refuses it falls back to buffered I/O with a
 warning. Their total size is kept within
 ``capacity_gb`` (0: half the free space at startup) by evicting whole page groups once it passes
 ``high_watermark`` percent of that budget, down to ``low_watermark`` percent (``capacity.py``).
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from sglang.srt.mem_cache.storage.extra_config import ExtraKey, parse_keys
+from sglang.srt.utils.private_dir import user_private_dir
 
 STORAGE_DIR_ENV = "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR"
 
@@ -60,7 +61,7 @@ EXTRA_KEYS = (
     ExtraKey("low_watermark", float, 70.0, minimum=0.0, help="percent of the budget eviction stops at"),
     ExtraKey("eviction", bool, True, help="false: an external cleaner keeps the directories in bounds"),
 )
-DEFAULT_STORAGE_DIR = "/tmp/hicache_storage"
+DEFAULT_STORAGE_DIR_NAME = "hicache_storage"  # the default: <tempdir>/hicache_storage-<uid>, private
 ALIASES = {"l3_cleaner_high_watermark": "high_watermark", "l3_cleaner_low_watermark": "low_watermark",
            "l3_cleaner_enabled": "eviction"}
 FILE_ONLY_KEYS = ("storage_dir", "storage_dirs", "capacity_gb")
@@ -101,7 +102,7 @@ def _storage_dirs(values: dict, given: dict, file_path: str | None) -> tuple[str
             raise ValueError("nixl backend: extra config key 'storage_dirs' is an empty list; give at least one "
                              "directory (or 'storage_dir')")
     else:
-        dirs = [d.strip() for d in (values["storage_dir"] or file_path or DEFAULT_STORAGE_DIR).split(",")]
+        dirs = [d.strip() for d in (values["storage_dir"] or file_path or user_private_dir(DEFAULT_STORAGE_DIR_NAME)).split(",")]
     if any(not d for d in dirs):
         raise ValueError(f"nixl backend: extra config key 'storage_dirs' has an empty entry: {dirs!r}")
     absolute = [os.path.abspath(d) for d in dirs]

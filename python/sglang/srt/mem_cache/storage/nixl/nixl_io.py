@@ -17,6 +17,7 @@ import numpy as np
 from sglang.srt.mem_cache.hicache_storage import StorageBackendError
 from sglang.srt.mem_cache.storage.nixl.bounded_calls import BoundedCalls, StorageUnavailable
 from sglang.srt.mem_cache.storage.nixl.nixl_config import NixlOptions, StorageKind
+from sglang.srt.utils.redact import redact_config, redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,14 @@ class NixlIO:
         for i, params in enumerate(candidates):
             try:
                 self.agent.create_backend(plugin, params)
-                logger.info("NIXL plugin %s created with %s", plugin, params)
+                logger.info("NIXL plugin %s created with %s", plugin, redact_config(params))
                 return
             except Exception as exc:  # noqa: BLE001 - NIXL raises its own binding error types
                 if i == len(candidates) - 1:
-                    raise ValueError(f"NIXL plugin {plugin} refused extra config 'plugin_params' {params}: {exc}") from exc
-                logger.info("NIXL plugin %s refused %s (%s); trying the next setting", plugin, params, exc)
+                    raise ValueError(f"NIXL plugin {plugin} refused extra config 'plugin_params' "
+                                     f"{redact_config(params)}: {redact_text(str(exc), params)}") from exc
+                logger.info("NIXL plugin %s refused %s (%s); trying the next setting", plugin, redact_config(params),
+                            redact_text(str(exc), params))
 
     def _check_params(self, plugin: str, params: dict) -> None:
         allowed = self.agent.get_plugin_params(plugin)
