@@ -14,11 +14,12 @@ ARGS ?=
 
 .PHONY: install test list bench serve clean clean-serve
 
-$(VENV)/.installed: python/pyproject.toml python/setup.py python/sglang/srt/mem_cache/kvcacheio/csrc/native_copy.c python/sglang/srt/mem_cache/storage/csrc/native_files.c Makefile
+$(VENV)/.installed: python/pyproject.toml python/setup.py scripts/ci/install_system_packages.sh python/sglang/srt/mem_cache/kvcacheio/csrc/native_copy.c python/sglang/srt/mem_cache/storage/csrc/native_files.c Makefile
+	bash scripts/ci/install_system_packages.sh
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: the CPU build on local disk, not a multi-GB CUDA download
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e "python[test,nixl,serve]"
+	$(PY) -m pip install -q -e "python[test,nixl,serve,mooncake]"
 	# nixl-cu12 provides the library; the "nixl" wheel provides `import nixl`
 	$(PY) -m pip install -q --no-deps nixl==1.5.1
 	touch $@

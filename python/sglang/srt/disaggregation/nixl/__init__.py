@@ -1,1 +1,7 @@
-"""PD KV transfer over NIXL (UCX): manager, sender, receiver, bootstrap server."""
+"""PD KV transfer over NIXL (UCX): manager, sender, receiver, bootstrap server. Importing this
+package applies the process's UCX settings (``sglang.srt.utils.ucx_env``) before any module of it
+loads NIXL."""
+
+from sglang.srt.utils.ucx_env import ensure_ucx_env
+
+ensure_ucx_env()
