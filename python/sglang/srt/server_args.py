@@ -66,6 +66,9 @@ class ServerArgs:
     max_running_requests: int = opt(64, "requests in flight at once (request table rows)")
     chunked_prefill_size: int = opt(2048, "max prefill tokens per step; -1 disables chunking")
     disable_radix_cache: bool = opt(False, "no prefix reuse: every prompt is computed from scratch")
+    mamba_track_interval: int = opt(256, "state models: also checkpoint the linear-attention state every this "
+                                    "many tokens (rounded to a multiple of --page-size); branch points and the "
+                                    "last page of each prefill are always checkpointed")
     radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first", EVICTION_POLICIES)
     schedule_policy: str = opt("fcfs", "order in which waiting requests are admitted: fcfs (arrival), lpm (longest "
                                "cached prefix first), lof (longest output first), random", SCHEDULE_POLICIES)
@@ -137,6 +140,7 @@ class ServerArgs:
             ("max_running_requests", self.max_running_requests >= 1, "an integer >= 1"),
             ("chunked_prefill_size", self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
              f"-1 (no chunking) or >= --page-size ({self.page_size})"),
+            ("mamba_track_interval", self.mamba_track_interval >= 1, "an integer >= 1"),
             ("port", 1 <= self.port <= 65535, "in [1, 65535]"),
             ("schedule_conservativeness", 1.0 <= self.schedule_conservativeness <= 100.0, "in [1.0, 100.0]"),
             ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),

@@ -48,10 +48,24 @@ class StateSlots:
 
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    # Checkpoints (prefill only): per request, ``(offset, slot)`` pairs, offsets strictly increasing in
+    # (0, extend length): the state after the request's first ``offset`` new tokens goes to ``slot`` too.
+    track: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def __post_init__(self):
         if len(self.src) != len(self.dst):
             raise ValueError(f"StateSlots: {len(self.src)} sources for {len(self.dst)} destinations")
+        if self.track and len(self.track) != len(self.dst):
+            raise ValueError(f"StateSlots: {len(self.track)} checkpoint lists for {len(self.dst)} requests")
+        for points in self.track:
+            offsets = [o for o, _ in points]
+            if offsets != sorted(set(offsets)) or any(o < 1 for o in offsets) or any(s < 1 for _, s in points):
+                raise ValueError(f"StateSlots: checkpoints must have increasing offsets >= 1 and slots >= 1, "
+                                 f"got {list(points)}")
+
+    def checkpoints(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Request ``i``'s ``(offset, slot)`` checkpoints (none when nothing is tracked)."""
+        return self.track[i] if self.track else ()
         if any(d < 1 for d in self.dst):
             raise ValueError(f"StateSlots: destination slots must be >= 1 (slot 0 is padding), got {list(self.dst)}")
 

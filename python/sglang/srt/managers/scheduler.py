@@ -89,7 +89,8 @@ class Scheduler:
             self.tree_cache.cache_controller.defer_writes = True
         self.storage_enabled = storage_enabled(self.tree_cache)
         self.slots = TokenSlotAllocator(self.tree_cache, self.runner.token_to_kv_pool_allocator, self.page_size)
-        self.mamba = MambaStateSlots.build(self.tree_cache, self.runner)  # None without a state pool
+        self.mamba = MambaStateSlots.build(self.tree_cache, self.runner,  # None without a state pool
+                                           track_interval=server_args.mamba_track_interval)
         self.waiting: deque[Req] = deque()
         self.queue_order = WaitingQueueOrder(server_args.schedule_policy, self.tree_cache, server_args.random_seed)
         self.running: list[Req] = []

@@ -131,19 +131,45 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
     def cache_finished_req(self, req, is_insert: bool = True) -> None:
         """HiRadixCache.cache_finished_req; ``req.mamba_pool_idx`` (the request's state slot)
         goes to the tree when ``fill_ids`` is page-aligned (its state is then the state after the
-        cached key), and is freed otherwise."""
+        cached key), and is freed otherwise. The request's pending checkpoints
+        (``req.mamba_checkpoints``, ``managers/mamba_state.py``) become the states of the nodes
+        ending at their positions (freed when not inserting)."""
         slot = as_cpu_index(req.mamba_pool_idx, "req.mamba_pool_idx")
         aligned = len(req.fill_ids) % self.page_size == 0 and len(req.fill_ids) > 0
+        key, kv, n = self._request_key_and_slots(req)
         if not (is_insert and aligned):
             self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
-            return super().cache_finished_req(req, is_insert)
-        key, kv, n = self._request_key_and_slots(req)
-        start = len(req.prefix_indices)
-        prefix_len = self.insert(InsertParams(key=key, value=kv[:n], mamba_value=slot)).prefix_len
-        if prefix_len > start:
-            self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
-        self._free_request_slots(kv[n:])
-        self.dec_lock_ref(req.last_node)
+            super().cache_finished_req(req, is_insert)
+        else:
+            start = len(req.prefix_indices)
+            prefix_len = self.insert(InsertParams(key=key, value=kv[:n], mamba_value=slot)).prefix_len
+            if prefix_len > start:
+                self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
+            self._free_request_slots(kv[n:])
+            self.dec_lock_ref(req.last_node)
+        self._insert_checkpoints(req, key, is_insert)
+
+    def _insert_checkpoints(self, req, key, is_insert: bool) -> None:
+        """The request's pending checkpoints, once its whole pages ``key`` are in the tree: each
+        state goes to the node ending at its position (all KV present: the insert only adopts
+        the state), or is freed."""
+        pending, req.mamba_checkpoints = getattr(req, "mamba_checkpoints", ()), []
+        for pos, slot in pending:
+            if not is_insert or self.disable or pos > len(key):
+                self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
+                continue
+            node, at = self.root_node, 0
+            values = []
+            while at < pos:  # the tree's own slots for key[:pos] (the insert adopts nothing)
+                node = self._step(node, key, at)
+                if node is None or node.value is None:
+                    break
+                values.append(node.value)
+                at += len(node.key)
+            if at < pos:
+                self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
+                continue
+            self.insert(InsertParams(key=key[:pos], value=torch.cat(values)[:pos], chunked=True, mamba_value=slot))
 
     # ---- backup: whole unbacked ancestor chains ----------------------------------------------
     def _with_unbacked_ancestors(self, nodes: list[TreeNode]) -> list[TreeNode]:

@@ -219,21 +219,29 @@ class GatedDeltaNet(nn.Module):
             pool.write_layer("conv_0", m, dst, conv_state)
             pool.write_layer("temporal", m, dst, ssm_state)
         else:
-            outs, conv_states, ssm_states, start = [], [], [], 0
-            for src, n in zip(slots.src, forward_batch.extend_seq_lens_cpu):
-                rows = slice(start, start + n)
+            outs, starts, slot_ids, conv_states, ssm_states, start = [], [], [], [], [], 0
+            for i, (src, n) in enumerate(zip(slots.src, forward_batch.extend_seq_lens_cpu)):
+                conv_state = None if src == ZERO_STATE else conv_buf[src]
+                ssm_state = None if src == ZERO_STATE else ssm_buf[src]
+                # Segments end at the request's checkpoints, then at its last token: the state after
+                # each checkpoint offset goes to that checkpoint's slot (a later prefix resumes there).
+                points = [*slots.checkpoints(i), (n, slots.dst[i])]
+                pos = 0
+                for offset, slot in points:
+                    rows = slice(start + pos, start + offset)
+                    x, conv_state = causal_conv1d(mixed[rows].transpose(0, 1), conv_w, conv_state)
+                    q, k, v = self._qkv(F.silu(x).transpose(0, 1))
+                    out, ssm_state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], ssm_state)
+                    outs.append(out)
+                    slot_ids.append(slot)
+                    conv_states.append(conv_state)
+                    ssm_states.append(ssm_state)
+                    pos = offset
                 start += n
-                conv_in = None if src == ZERO_STATE else conv_buf[src]
-                ssm_in = None if src == ZERO_STATE else ssm_buf[src]
-                x, conv_state = causal_conv1d(mixed[rows].transpose(0, 1), conv_w, conv_in)
-                q, k, v = self._qkv(F.silu(x).transpose(0, 1))
-                out, ssm_state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], ssm_in)
-                outs.append(out)
-                conv_states.append(conv_state)
-                ssm_states.append(ssm_state)
             out = torch.cat(outs)
-            pool.write_layer("conv_0", m, dst, torch.stack(conv_states))
-            pool.write_layer("temporal", m, dst, torch.stack(ssm_states))
+            idx = torch.tensor(slot_ids, dtype=torch.int64, device=conv_buf.device)
+            pool.write_layer("conv_0", m, idx, torch.stack(conv_states))
+            pool.write_layer("temporal", m, idx, torch.stack(ssm_states))
         out = self.norm(out.to(hidden_states.dtype), z)
         return self.out_proj(out.reshape(out.shape[0], -1))
 
