@@ -1,6 +1,7 @@
 """Build the scheduler's prefix cache from ServerArgs and the model runner's pools.
 
-``RadixCache`` over the device pool, disabled with ``--disable-radix-cache``; with
+``RadixCache`` over the device pool (``MambaRadixCache`` when the model has a state pool), disabled
+with ``--disable-radix-cache``; with
 ``--enable-hierarchical-cache`` a ``HiRadixCache`` whose controller owns the host pools and,
 with ``--hicache-storage-backend``, an L3 backend.
 
@@ -26,6 +27,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     build_mamba_hybrid_stack,
 )
 from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
+from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -117,13 +119,13 @@ def build_tree_cache(args, runner) -> RadixCache:
     """The prefix cache for ``runner``'s pools, as ``args`` asks. ValueError on a bad combination."""
     side = _side_pool(runner)
     # Sidecars share the anchor's slots, so a device-only RadixCache frees them with the anchor; an
-    # own-slot state pool needs the hybrid tree, which only the HiCache stack builds.
+    # own-slot state pool needs a tree that keeps states (MambaRadixCache, HiMambaRadixCache on HiCache).
     state = runner.state_pool
-    if not args.enable_hierarchical_cache and state is not None and not args.disable_radix_cache:
-        raise ValueError(f"this model caches {state.kind.value} state beside its KV: the prefix cache needs "
-                         "--enable-hierarchical-cache (or pass --disable-radix-cache)")
     params = cache_init_params(args, runner)
     if not args.enable_hierarchical_cache:
+        if state is not None and not args.disable_radix_cache:
+            logger.info("prefix cache: MambaRadixCache (device only, %d state slots)", state.size)
+            return MambaRadixCache(params, state)
         logger.info("prefix cache: %s", "disabled" if args.disable_radix_cache else "RadixCache (device only)")
         return RadixCache(params)
     check_host_cells(args, runner)

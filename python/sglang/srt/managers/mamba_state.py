@@ -42,6 +42,7 @@ import torch
 from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
+from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.radix.radix_key import RadixKey, common_prefix_len
 
 DEFAULT_TRACK_INTERVAL = 256  # upstream's --mamba-track-interval default
@@ -180,7 +181,7 @@ class MambaStateSlots:
         cached, the node has a state already, or no slot is free (it never evicts)."""
         if not self.tree_holds_states:
             return False
-        insert_checkpoints(self.tree, req, RadixKey(req.fill_ids, req.extra_key), req.prefix_indices)
+        insert_request_checkpoints(self.tree, req, RadixKey(req.fill_ids, req.extra_key), True, self.pool.free)
         node = req.last_node
         if (req.prefix_indices.numel() != req.kv_len or req.kv_len == 0
                 or node is None or node.mamba_value is not None or self.pool.available_size() < 1):
@@ -229,17 +230,3 @@ class MambaStateSlots:
             raise CacheIntegrityError(f"mamba pool: free {free} + held by requests {slots.numel()} != capacity "
                                       f"{self.pool.size}")
 
-
-def insert_checkpoints(tree, req, key: RadixKey, device_indices: torch.Tensor) -> None:
-    """Give ``tree`` the pending checkpoints of ``req`` (``req.mamba_checkpoints``) that lie
-    within ``key``'s whole pages, whose device slots ``device_indices`` the tree already holds;
-    each becomes the state of the node ending at its position (freed by the tree when that node
-    has one). Mutates ``req.mamba_checkpoints`` (what is left stays pending)."""
-    pending, left = getattr(req, "mamba_checkpoints", ()), []
-    n = len(key) // tree.page_size * tree.page_size
-    for pos, slot in pending:
-        if pos > n or pos > device_indices.numel():
-            left.append((pos, slot))
-            continue
-        tree.insert(InsertParams(key=key[:pos], value=device_indices[:pos], chunked=True, mamba_value=slot))
-    req.mamba_checkpoints = left

@@ -25,6 +25,7 @@ import torch
 from sglang.srt.managers.cache_controller import L2Transfer, Tier
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, InsertResult, MatchResult
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
+from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.hiradix.mamba_storage import MambaStorageMixin
 from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
@@ -150,26 +151,8 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
         self._insert_checkpoints(req, key, is_insert)
 
     def _insert_checkpoints(self, req, key, is_insert: bool) -> None:
-        """The request's pending checkpoints, once its whole pages ``key`` are in the tree: each
-        state goes to the node ending at its position (all KV present: the insert only adopts
-        the state), or is freed."""
-        pending, req.mamba_checkpoints = getattr(req, "mamba_checkpoints", ()), []
-        for pos, slot in pending:
-            if not is_insert or self.disable or pos > len(key):
-                self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
-                continue
-            node, at = self.root_node, 0
-            values = []
-            while at < pos:  # the tree's own slots for key[:pos] (the insert adopts nothing)
-                node = self._step(node, key, at)
-                if node is None or node.value is None:
-                    break
-                values.append(node.value)
-                at += len(node.key)
-            if at < pos:
-                self.cache_controller.free(Tier.DEVICE, MAMBA, slot)
-                continue
-            self.insert(InsertParams(key=key[:pos], value=torch.cat(values)[:pos], chunked=True, mamba_value=slot))
+        insert_request_checkpoints(self, req, key, is_insert,
+                                   lambda slot: self.cache_controller.free(Tier.DEVICE, MAMBA, slot))
 
     # ---- backup: whole unbacked ancestor chains ----------------------------------------------
     def _with_unbacked_ancestors(self, nodes: list[TreeNode]) -> list[TreeNode]:

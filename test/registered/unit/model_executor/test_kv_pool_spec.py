@@ -103,10 +103,20 @@ def test_host_cells_follow_the_pool_kind(pool_kind):
             check_host_cells(args, _runner(pool))
 
 
-def test_state_model_needs_hicache_or_no_radix_cache():
+def test_state_model_without_hicache_gets_a_mamba_radix_cache(monkeypatch):
+    """Issue 28: the default invocation of a state model starts, with upstream's device-only
+    MambaRadixCache (the scheduler-level hits are in test_qwen3_next*.py)."""
+    from sglang.srt.managers import cache_factory
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+
     pool = mha_layout(torch.float32, 1, 1, 8).anchor.build(32, 16, "cpu")
     runner = _runner(pool)
-    runner.state_pool = SimpleNamespace(kind=PoolKind.MAMBA)
-    with pytest.raises(ValueError, match="caches mamba state beside its KV: the prefix cache needs "
-                                         "--enable-hierarchical-cache"):
-        build_tree_cache(ServerArgs(model_path="/m"), runner)
+    runner.state_pool = SimpleNamespace(kind=PoolKind.MAMBA, size=4)
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+    alloc = PagedTokenToKVPoolAllocator(32, 16, kvcache=pool)
+    monkeypatch.setattr(cache_factory, "cache_init_params",
+                        lambda args, r: CacheInitParams(page_size=16, token_to_kv_pool_allocator=alloc))
+    tree = build_tree_cache(ServerArgs(model_path="/m"), runner)
+    assert type(tree) is MambaRadixCache and tree.mamba_pool is runner.state_pool and tree.supports_mamba()

@@ -13,7 +13,8 @@ run by our ModelRunner with its state pool, and compared with HF in fp32 (eager 
 The chunked gated delta rule is checked against the token-by-token recurrence, and the causal conv
 with carried state against one pass. In process, the scheduler's state slots
 (``managers/mamba_state.py``): chunked prefill with more requests than running slots and no radix
-cache; HiMambaRadixCache prefix hits resuming from a state checkpoint; a leaked state slot caught
+cache; HiMambaRadixCache and MambaRadixCache (the default, no HiCache) prefix hits resuming from a
+state checkpoint; a leaked state slot caught
 by the integrity check; and the hybrid stack built on this model's pools at attention-CP rank 1/2
 (coordinates reach the controller and the L3 config; KV and Mamba objects never share a name).
 """
@@ -326,9 +327,21 @@ def test_scheduler_integrity_catches_a_leaked_state_slot(model_path, hicache):
     sched.shutdown()
 
 
-def test_radix_cache_without_hicache_is_refused(model_path):
-    with pytest.raises(ValueError, match="--enable-hierarchical-cache"):
-        _scheduler(model_path)
+def test_default_invocation_gets_a_plain_prefix_cache_with_hits(model_path, reference):
+    """No --enable-hierarchical-cache: MambaRadixCache (device only) serves a state model, and a
+    request extending a finished one's history resumes from the state the tree kept."""
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+
+    sched = _scheduler(model_path, page_size=4)
+    assert type(sched.tree_cache) is MambaRadixCache
+    prompt = PROMPTS[2]
+    first = _drive(sched, [("a", prompt[:100])])
+    assert first["a"][0] == StateDriver(sched.runner).generate([prompt[:100]], NEW_TOKENS)[0][0]
+    history = prompt[:100] + first["a"][0]
+    again = _drive(sched, [("b", history + prompt[100:120])])
+    assert again["b"][2]["device"] >= 96  # the checkpoint at the last page of the first prompt
+    assert again["b"][0] == StateDriver(sched.runner).generate([history + prompt[100:120]], NEW_TOKENS)[0][0]
+    sched.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["file", "nixl"])

@@ -5,7 +5,8 @@ prompt, 40-token questions, short answers, then the next turn of one conversatio
 a prefix of an earlier one. Checkpoints taken inside a prefill forward (the branch point, the last page
 before the prompt's end, every ``--mamba-track-interval`` tokens) make each of them hit at the last
 checkpoint at or below its common prefix; every output equals HF transformers, with and without
-chunked prefill. Integrity (state slots included) is checked after every step.
+chunked prefill, with HiCache (HiMambaRadixCache) and without it (MambaRadixCache, the default
+invocation). Integrity (state slots included) is checked after every step.
 """
 
 from __future__ import annotations
@@ -93,12 +94,20 @@ def _workload(sched, hf_model):
     return hits
 
 
+HICACHE = {"enable_hierarchical_cache": True, "hicache_ratio": 4}
+TREES = {"hicache": HICACHE, "plain": {}}  # HiMambaRadixCache; MambaRadixCache (the default invocation)
+
+
+@pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("chunked_prefill_size", [-1, 64])
-def test_multi_turn_hits_at_checkpoints_inside_prefill(model_path, hf_model, chunked_prefill_size):
+def test_multi_turn_hits_at_checkpoints_inside_prefill(model_path, hf_model, chunked_prefill_size, tree):
     """Default track interval (256, longer than every prompt): the checkpoints come from where prompts
     leave the cached prefix and from the last page of each prefill."""
-    sched = _scheduler(model_path, enable_hierarchical_cache=True, hicache_ratio=4,
-                       chunked_prefill_size=chunked_prefill_size)
+    from sglang.srt.mem_cache.hi_mamba_radix_cache import HiMambaRadixCache
+    from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
+
+    sched = _scheduler(model_path, chunked_prefill_size=chunked_prefill_size, **TREES[tree])
+    assert type(sched.tree_cache) is (HiMambaRadixCache if tree == "hicache" else MambaRadixCache)
     hits = _workload(sched, hf_model)
     assert hits["a1"] == 0
     # b1 found the system prompt's KV but no state there: it checkpointed its branch point
@@ -113,20 +122,21 @@ def test_multi_turn_hits_at_checkpoints_inside_prefill(model_path, hf_model, chu
     sched.shutdown()
 
 
-def test_track_interval_of_one_page_hits_at_every_page(model_path, hf_model):
-    sched = _scheduler(model_path, enable_hierarchical_cache=True, hicache_ratio=4, chunked_prefill_size=-1,
-                       mamba_track_interval=PAGE)
+@pytest.mark.parametrize("tree", TREES)
+def test_track_interval_of_one_page_hits_at_every_page(model_path, hf_model, tree):
+    sched = _scheduler(model_path, chunked_prefill_size=-1, mamba_track_interval=PAGE, **TREES[tree])
     hits = _workload(sched, hf_model)
     assert hits["b1"] == SYSTEM  # a1 left a checkpoint at every page
     assert hits["prefix"] == (180 - 1) // PAGE * PAGE  # the last checkpoint at or below the common prefix
     sched.shutdown()
 
 
-def test_checkpoints_are_evicted_when_requests_need_state_slots(model_path, hf_model):
+@pytest.mark.parametrize("tree", TREES)
+def test_checkpoints_are_evicted_when_requests_need_state_slots(model_path, hf_model, tree):
     """A state pool too small to keep every checkpoint: requests still run (checkpoints are evicted
     or skipped), outputs stay equal to HF, and the counts add up after every step."""
-    sched = _scheduler(model_path, enable_hierarchical_cache=True, hicache_ratio=4, chunked_prefill_size=-1,
-                       mamba_track_interval=PAGE, max_running_requests=2)
+    sched = _scheduler(model_path, chunked_prefill_size=-1, mamba_track_interval=PAGE, max_running_requests=2,
+                       **TREES[tree])
     _workload(sched, hf_model)
     pool = sched.runner.state_pool
     tree_states = sum(n.mamba_value is not None for n in sched.tree_cache._all_nodes())
