@@ -6,12 +6,20 @@ together, layer by layer, when the scheduler calls ``start_loading`` for the nex
 on transfer lanes (``transfer_lane.py``): CUDA streams on a GPU, worker threads elsewhere, with
 the same code. Completion is reported through acks that the tree consumes in order.
 
+The constructor takes upstream's keywords (``token_to_kv_pool_allocator, mem_pool_host,
+page_size, tp_group, load_cache_event, attn_cp_group, attn_tp_group, pp_group, write_policy,
+io_backend, storage_backend, prefetch_threshold, model_name, storage_backend_extra_config,
+enable_storage_metrics, host_memory_mode``, and the ``pp_rank/pp_size/attn_cp_rank/attn_cp_size``
+of upstream's hybrid controller) and builds ``self.params``, a CacheInitParams, from them: every
+rank coordinate the controller and its storage config use is read back from there.
+``from_params`` hands a tree's CacheInitParams over through those same keywords.
+
 Pools are reached by ``PoolName`` through ``PoolBinding``s: the plain controller has one (``kv``);
 ``HybridCacheController`` binds every pool of a ``HostPoolGroup`` (sidecars move with the anchor).
 
 Storage (L3): with ``storage_backend`` (a StorageBackendFactory name) the controller builds the
-backend from a storage config derived from ``parallel_coords()`` and runs the prefetch, IO and
-backup threads of ``storage_controller.py`` (``self.storage``; the backend is
+backend from ``_generate_storage_config()`` (coordinates from ``self.params`` only) and runs the
+prefetch, IO and backup threads of ``storage_controller.py`` (``self.storage``; the backend is
 ``self.storage_backend``). ``held_host_indices()`` reports host slots held by in-flight
 prefetches and by backups a bounded flush abandoned to the integrity check; ``get_stats()``
 gives per-tier counters; ``close()`` stops every thread and closes the backend.
@@ -20,22 +28,30 @@ gives per-tier counters; ``close()`` stops every thread and closes the backend.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams, ParallelCoords
 from sglang.srt.mem_cache.controller.hicache_config import WritePolicy
-from sglang.srt.mem_cache.controller.layer_done_counter import LayerDoneCounter
+from sglang.srt.mem_cache.controller.layer_done_counter import LayerDoneCounter, LayerLoadingEvent
 from sglang.srt.mem_cache.pool_host.group import PoolName
+from sglang.srt.mem_cache.pool_host.layout import IOBackend
+from sglang.srt.mem_cache.controller.storage_ops import PrefetchOperation, StorageOperation
 from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg, split_extra_config
 from sglang.srt.mem_cache.controller.tier_counters import TierCounters
 from sglang.srt.mem_cache.hiradix.tp_agreement import TPAgreement
 from sglang.srt.mem_cache.controller.transfer_lane import make_lane
 
 logger = logging.getLogger(__name__)
+
+# upstream's names at upstream's path; the counters and the L3 operations live in controller/
+__all__ = [
+    "CacheOperation", "HiCacheAck", "HiCacheController", "L2Transfer", "LayerDoneCounter", "LayerLoadingEvent",
+    "PoolBinding", "PrefetchOperation", "StorageOperation", "Tier",
+]
 
 
 class Tier(Enum):
@@ -75,12 +91,16 @@ class CacheOperation:
 _L2_NAMES = {"written": ("pages_written", "bytes_written"), "loaded": ("pages_loaded", "bytes_loaded")}
 
 
-@dataclass
-class HiCacheAck:
-    """Completion of one submitted operation: ``finish_event`` is recorded after its last copy."""
+class HiCacheAck(NamedTuple):
+    """Completion of one submitted operation (upstream's fields and order): ``finish_event`` is
+    recorded after its last copy; ``start_event`` is None here (no per-copy timing)."""
 
+    start_event: object
     finish_event: object
     node_ids: list[int]
+
+
+HOST_MEMORY_MODES = ("cache",)  # upstream's "buffer_only" (host rows as a staging buffer) is not built
 
 
 @dataclass
@@ -96,67 +116,134 @@ class PoolBinding:
 class HiCacheController:
     """L1<->L2 queues and lanes for one tree, and optionally the L2<->L3 threads.
 
-    ``params`` (CacheInitParams) gives the device allocator, the TP group and the parallel
-    coordinates; nothing else is consulted for them. ``storage_backend`` (None: no L3),
-    ``storage_backend_extra_config`` (dict or JSON string) and ``model_name`` take the server's
-    flags as they are; a bad value raises ValueError naming the key.
+    Upstream's keywords: ``tp_group`` (the gloo group of the TP ranks sharing the tree; None for
+    one rank) and ``pp_group`` / ``attn_cp_group`` give the coordinates, or ``pp_rank``,
+    ``pp_size``, ``attn_cp_rank``, ``attn_cp_size`` (and our ``tp_rank`` / ``tp_size``) give them as
+    numbers; both may be given and must agree. ``attn_tp_group``: None or ``tp_group`` itself
+    (no attention data parallelism here). ``load_cache_event``: kept as ``self.load_cache_event``
+    and set whenever ``start_loading`` starts a batch. ``io_backend``: ``""`` / None lets each host
+    pool use its own. ``storage_backend`` (None: no L3), ``storage_backend_extra_config`` (dict or
+    JSON string), ``prefetch_threshold`` (tokens; the extra config's ``prefetch_threshold`` key
+    wins) and ``model_name`` take the server's flags as they are; a bad value raises ValueError
+    naming the key. ``enable_storage_metrics`` is carried into the storage config (the counters
+    of ``get_stats`` are always kept). ``host_memory_mode``: ``cache`` only.
     """
 
-    def __init__(self, params: CacheInitParams, mem_pool_host, write_policy="write_through", io_backend=None,
-                 bindings: dict[PoolName, PoolBinding] | None = None, anchor_name: PoolName = PoolName.KV,
-                 storage_backend: str | None = None, storage_backend_extra_config: dict | str | None = None,
-                 model_name: str | None = None):
-        allocator = params.token_to_kv_pool_allocator
-        if allocator is None:
-            raise ValueError("CacheInitParams.token_to_kv_pool_allocator is required for a HiCache controller")
-        self.params = params
-        self.page_size = params.page_size
-        self.mem_pool_device_allocator = allocator
-        self.mem_pool_device = allocator.get_kvcache()
+    def __init__(
+        self,
+        token_to_kv_pool_allocator,
+        mem_pool_host,
+        page_size: int,
+        tp_group=None,
+        load_cache_event=None,
+        attn_cp_group=None,
+        attn_tp_group=None,
+        pp_group=None,
+        write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH_SELECTIVE,
+        io_backend: IOBackend | str | None = "",
+        storage_backend: str | None = None,
+        prefetch_threshold: int = 256,
+        model_name: str | None = None,
+        storage_backend_extra_config: dict | str | None = None,
+        enable_storage_metrics: bool = False,
+        host_memory_mode: str = "cache",
+        *,
+        pp_rank: int | None = None,
+        pp_size: int | None = None,
+        attn_cp_rank: int | None = None,
+        attn_cp_size: int | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ):
+        if token_to_kv_pool_allocator is None:
+            raise ValueError("token_to_kv_pool_allocator is required for a HiCache controller")
+        if host_memory_mode not in HOST_MEMORY_MODES:
+            raise ValueError(f"host_memory_mode {host_memory_mode!r} is not supported; allowed: "
+                             f"{', '.join(HOST_MEMORY_MODES)}")
+        self.params = CacheInitParams(
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator, page_size=page_size,
+            tp_cache_group=tp_group, attn_cp_cache_group=attn_cp_group, attn_tp_cache_group=attn_tp_group,
+            pp_cache_group=pp_group, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+            attn_cp_rank=attn_cp_rank, attn_cp_size=attn_cp_size,
+        )
+        self.page_size = page_size
+        self.mem_pool_device_allocator = token_to_kv_pool_allocator
+        self.mem_pool_device = token_to_kv_pool_allocator.get_kvcache()
         self.mem_pool_host = mem_pool_host
-        if mem_pool_host.page_size != params.page_size:
-            raise ValueError(f"host pool page_size {mem_pool_host.page_size} != CacheInitParams.page_size {params.page_size}")
+        if mem_pool_host.page_size != page_size:
+            raise ValueError(f"host pool page_size {mem_pool_host.page_size} != page_size {page_size}")
         self.write_policy = WritePolicy.parse(write_policy)
-        self.io_backend = io_backend
-        self.anchor_name = anchor_name
-        self.bindings = bindings or {
-            PoolName.KV: PoolBinding([(mem_pool_host, self.mem_pool_device)], mem_pool_host, allocator)
-        }
-        if anchor_name not in self.bindings:
-            raise ValueError(f"anchor pool {anchor_name.value!r} has no binding; bound: {[n.value for n in self.bindings]}")
+        self.io_backend = None if io_backend in ("", None) else IOBackend.parse(io_backend)
+        self.load_cache_event = load_cache_event
+        self.enable_storage_metrics = bool(enable_storage_metrics)
+        self.host_memory_mode = host_memory_mode
+        self.anchor_name, self.bindings = self._pool_bindings()
+        if self.anchor_name not in self.bindings:
+            raise ValueError(f"anchor pool {self.anchor_name.value!r} has no binding; "
+                             f"bound: {[n.value for n in self.bindings]}")
+        pairs = [p for b in self.bindings.values() for p in b.pairs]
+        self.layer_num = self._transfer_layer_num(max(host.layer_num for host, _ in pairs))
         self.storage = None
         self.storage_backend = None
         self.storage_config = None
         if storage_backend is not None:  # before any thread starts: a bad hookup leaks nothing
-            self._attach_storage(storage_backend, storage_backend_extra_config, model_name)
+            self._attach_storage(storage_backend, prefetch_threshold, model_name, storage_backend_extra_config)
         elif storage_backend_extra_config:
             raise ValueError("storage_backend_extra_config is set but storage_backend is None; set both or neither")
-        self.agreement = TPAgreement(params.tp_cache_group)
+        self.agreement = TPAgreement(self.params.tp_cache_group)
         device = self.mem_pool_device.device
         self.write_lane = make_lane("hicache-write", device)
         self.load_lane = make_lane("hicache-load", device)
-        pairs = [p for b in self.bindings.values() for p in b.pairs]
-        self.layer_num = max(host.layer_num for host, _ in pairs)
         self.layer_done_counter = LayerDoneCounter(self.layer_num, self.load_lane)
         for _, device_pool in pairs:
             device_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.load_queue: list[CacheOperation] = []
         self.defer_writes = False  # see write(); the scheduler turns it on
-        # write()s deferred to the next flush_writes (read by the tree's per-step flush)
-        self.pending_writes: list[tuple[CacheOperation, object]] = []
-        self.ack_write_queue: deque[HiCacheAck] = deque()
-        self.ack_load_queue: deque[HiCacheAck] = deque()
+        # write()s waiting for the next start_writing (read by the tree's per-step flush)
+        self.write_queue: list[tuple[CacheOperation, object]] = []
+        self.ack_write_queue: list[HiCacheAck] = []
+        self.ack_load_queue: list[HiCacheAck] = []
         self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
         self._slot_bytes_cache: dict[PoolName, int] = {}
         logger.info(
-            "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s",
+            "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s, %s",
             [n.value for n in self.bindings], self.write_policy.value, self.layer_num, device,
+            self.params.parallel_coords,
         )
+
+    @classmethod
+    def from_params(cls, params: CacheInitParams, mem_pool_host, **kwargs):
+        """A controller for the tree built from ``params``: its allocator, page size, groups and
+        coordinates handed over through the constructor's keywords (``kwargs``: the rest)."""
+        if not isinstance(params, CacheInitParams):
+            raise TypeError(f"params must be a CacheInitParams, got {type(params).__name__}")
+        return cls(
+            params.token_to_kv_pool_allocator, mem_pool_host, params.page_size, params.tp_cache_group,
+            attn_cp_group=params.attn_cp_cache_group, attn_tp_group=params.attn_tp_cache_group,
+            pp_group=params.pp_cache_group, tp_rank=params.tp_rank, tp_size=params.tp_size,
+            pp_rank=params.pp_rank, pp_size=params.pp_size, attn_cp_rank=params.attn_cp_rank,
+            attn_cp_size=params.attn_cp_size, **kwargs,
+        )
+
+    def _pool_bindings(self) -> tuple[PoolName, dict[PoolName, PoolBinding]]:
+        """(anchor pool name, binding of every pool this controller moves): the plain controller
+        moves one pool, ``kv``."""
+        host = self.mem_pool_host
+        return PoolName.KV, {PoolName.KV: PoolBinding([(host, self.mem_pool_device)], host,
+                                                      self.mem_pool_device_allocator)}
+
+    def _transfer_layer_num(self, deepest_pool_layers: int) -> int:
+        """Layer events per load batch: one per layer of the deepest pool."""
+        return deepest_pool_layers
 
     # ---- coordinates and slots ----------------------------------------------------------
     def parallel_coords(self) -> ParallelCoords:
         """tp/pp/attention-cp rank and size of this rank, from CacheInitParams only."""
         return self.params.parallel_coords
+
+    def get_attn_cp_rank_and_size(self) -> tuple[int, int]:
+        """(attention-CP rank, size) of this rank, from CacheInitParams."""
+        return self.params.attn_cp_rank, self.params.attn_cp_size
 
     def _binding(self, name: PoolName) -> PoolBinding:
         try:
@@ -207,33 +294,46 @@ class HiCacheController:
         """The pool of trailing states (one per cached prefix, own slots) L3 carries, or None."""
         return None
 
-    def _attach_storage(self, name: str, extra_config, model_name: str | None) -> None:
+    def _generate_storage_config(self, model_name: str | None = None, storage_backend_extra_config: dict | None = None):
+        """This rank's HiCacheStorageConfig: coordinates from ``self.params`` (nowhere else), the
+        page format from the storage host pool, ``storage_backend_extra_config`` the backend's
+        keys (the controller's own already taken out)."""
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+        return HiCacheStorageConfig.from_cache_params(self.params, self._storage_host(), model_name,
+                                                      storage_backend_extra_config,
+                                                      enable_storage_metrics=self.enable_storage_metrics)
+
+    def _attach_storage(self, storage_backend: str, prefetch_threshold: int, model_name: str | None,
+                        storage_backend_extra_config) -> None:
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
         from sglang.srt.mem_cache.controller.storage_controller import StorageController
 
-        extra = parse_extra_config_arg(extra_config, "storage_backend_extra_config")
-        settings, backend_extra = split_extra_config(extra)
+        extra = parse_extra_config_arg(storage_backend_extra_config, "storage_backend_extra_config")
+        # the extra config's own key wins over the keyword (upstream read it from there too)
+        settings, backend_extra = split_extra_config({"prefetch_threshold": prefetch_threshold, **extra})
         if not isinstance(model_name, str) or not model_name:
-            raise ValueError(f"model_name must be a non-empty string with storage_backend {name!r}, got {model_name!r}")
+            raise ValueError(f"model_name must be a non-empty string with storage_backend {storage_backend!r}, "
+                             f"got {model_name!r}")
         side, state = self._storage_side_pools(), self._storage_state_pool()
         host = self._storage_host()
-        config = HiCacheStorageConfig.from_cache_params(self.parallel_coords(), host, model_name, backend_extra)
-        backend = StorageBackendFactory.create_backend(name, config, host)
+        config = self._generate_storage_config(model_name, backend_extra)
+        backend = StorageBackendFactory.create_backend(storage_backend, config, host)
         self.storage = StorageController(backend, self.page_size, settings, side,
                                          lambda pool, idx: self.free(Tier.HOST, pool, idx), state)
         self.storage_backend, self.storage_config = backend, config
-        logger.info("HiCacheController: L3 backend %s, side pools %s, state pool %s, %s", name,
+        logger.info("HiCacheController: L3 backend %s, side pools %s, state pool %s, %s", storage_backend,
                     [p.value for p in side], state.value if state is not None else None, settings)
 
-    def attach_storage_backend(self, name: str, extra_config, model_name: str | None) -> None:
+    def attach_storage_backend(self, storage_backend: str, prefetch_threshold: int = 256, model_name: str | None = None,
+                               storage_backend_extra_config: dict | str | None = None) -> None:
         """Attach an L3 backend at runtime (the caller made sure no storage operation runs).
-        ValueError when one is attached or the name / config is bad; whatever the backend
-        constructor raises propagates. On any error nothing changes here."""
+        RuntimeError when one is attached; ValueError when the name / config is bad; whatever
+        the backend constructor raises propagates. On any error nothing changes here."""
         if self.storage is not None:
-            raise ValueError(f"a storage backend ({type(self.storage_backend).__name__}) is already attached; "
-                             "detach it first")
-        self._attach_storage(name, extra_config, model_name)
+            raise RuntimeError(f"a storage backend ({type(self.storage_backend).__name__}) is already attached; "
+                               "detach it first")
+        self._attach_storage(storage_backend, prefetch_threshold, model_name, storage_backend_extra_config)
 
     def detach_storage_backend(self) -> bool:
         """Stop the L3 threads and close the backend (the caller made sure no storage operation
@@ -281,24 +381,26 @@ class HiCacheController:
     def write(self, transfers: list[L2Transfer], node_ids: list[int], ack: bool = True):
         """Copy every layer of ``transfers`` device -> host; returns the finish event. With
         ``ack`` its completion is queued in ``ack_write_queue`` (consumed by the tree) and, with
-        ``defer_writes``, the copy waits for ``flush_writes`` (the scheduler's one lane job a
-        step). Without ``ack`` it starts now, after every deferred one; the caller waits."""
+        ``defer_writes``, the copy waits in ``write_queue`` for ``start_writing`` (the scheduler's
+        one lane job a step). Without ``ack`` it starts now, after every deferred one; the caller
+        waits."""
         finish = self.write_lane.new_event()
         op = CacheOperation(transfers, list(node_ids))
         self._count_l2(op.transfers, "written")
         if ack and self.defer_writes:
-            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
-            self.pending_writes.append((op, finish))
+            self.ack_write_queue.append(HiCacheAck(None, finish, op.node_ids))
+            self.write_queue.append((op, finish))
             return finish
-        self.flush_writes()
+        self.start_writing()
         self._submit_writes([(op, finish)])
         if ack:
-            self.ack_write_queue.append(HiCacheAck(finish, op.node_ids))
+            self.ack_write_queue.append(HiCacheAck(None, finish, op.node_ids))
         return finish
 
-    def flush_writes(self) -> int:
-        """Start the deferred writes as one lane job (merged per pool); returns how many."""
-        batch, self.pending_writes = self.pending_writes, []
+    def start_writing(self) -> int:
+        """Start the writes waiting in ``write_queue`` as one lane job (merged per pool);
+        returns how many."""
+        batch, self.write_queue = self.write_queue, []
         if batch:
             self._submit_writes(batch)
         return len(batch)
@@ -318,7 +420,7 @@ class HiCacheController:
 
     def synchronize_writes(self) -> None:
         """Block until every write so far (deferred ones included) has run."""
-        self.flush_writes()
+        self.start_writing()
         self.write_lane.synchronize()
 
     # ---- loads (host -> device, layer by layer) -------------------------------------------
@@ -352,17 +454,19 @@ class HiCacheController:
 
         self._count_l2(op.transfers, "loaded")
         try:
-            self.load_lane.submit(self._counted(job), layer_events.events, short=True)
+            self.load_lane.submit(self._counted(job), layer_events.load_events, short=True)
         except BaseException as exc:  # never leave armed events that nobody will record
-            for ev in layer_events.events:
+            for ev in layer_events.load_events:
                 ev.fail(exc)
             raise
-        self.ack_load_queue.append(HiCacheAck(layer_events.events[-1], op.node_ids))
+        self.ack_load_queue.append(HiCacheAck(None, layer_events.finish_event, op.node_ids))
+        if self.load_cache_event is not None:
+            self.load_cache_event.set()
         return producer
 
     # ---- completion -----------------------------------------------------------------------
     @staticmethod
-    def _leading_done(acks: deque) -> tuple[int, bool]:
+    def _leading_done(acks: list[HiCacheAck]) -> tuple[int, bool]:
         done, ok = 0, True
         for ack in acks:
             if not ack.finish_event.query():
@@ -378,10 +482,14 @@ class HiCacheController:
         return [writes, loads, int(w_ok and l_ok)]
 
     def pop_write_acks(self, n: int) -> list[HiCacheAck]:
-        return [self.ack_write_queue.popleft() for _ in range(n)]
+        acks = self.ack_write_queue[:n]
+        del self.ack_write_queue[:n]
+        return acks
 
     def pop_load_acks(self, n: int) -> list[HiCacheAck]:
-        return [self.ack_load_queue.popleft() for _ in range(n)]
+        acks = self.ack_load_queue[:n]
+        del self.ack_load_queue[:n]
+        return acks
 
     def synchronize(self) -> None:
         """Block until every submitted write and started load has run (queued loads start first)."""
@@ -403,8 +511,8 @@ class HiCacheController:
         if self.storage is not None:
             self.storage.close()
         try:
-            self.flush_writes()
+            self.start_writing()
         except RuntimeError:  # a closed lane: nothing more will run
-            self.pending_writes = []
+            self.write_queue = []
         self.write_lane.close()
         self.load_lane.close()

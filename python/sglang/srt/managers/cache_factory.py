@@ -82,7 +82,8 @@ def hicache_config(args) -> HiCacheConfig:
 def _controller(args, params, host_pool, cfg: HiCacheConfig) -> HiCacheController:
     """The controller, with its L3 backend when asked; a bad backend option names the flags."""
     try:
-        return HiCacheController(params, host_pool, cfg.write_policy, cfg.io_backend, **cfg.storage_kwargs)
+        return HiCacheController.from_params(params, host_pool, write_policy=cfg.write_policy,
+                                             io_backend=cfg.io_backend, **cfg.storage_kwargs)
     except ValueError as exc:
         if cfg.storage_backend is None:
             raise

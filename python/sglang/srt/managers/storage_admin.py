@@ -182,7 +182,8 @@ class StorageAdmin:
         self._require_idle()
         error = None
         try:
-            self.controller.attach_storage_backend(req.backend, req.extra_config_json, self.scheduler.args.model_name)
+            self.controller.attach_storage_backend(req.backend, model_name=self.scheduler.args.model_name,
+                                                   storage_backend_extra_config=req.extra_config_json)
             self._check_tree_takes(self.controller.storage)
         except Exception as exc:  # noqa: BLE001 - a bad config or a failing constructor: refused
             error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc)

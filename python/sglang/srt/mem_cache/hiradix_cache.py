@@ -72,8 +72,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
                  prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
         if params.disable:
             raise ValueError("HiRadixCache cannot be disabled; use RadixCache(disable=True)")
-        if cache_controller.params is not params:
-            raise ValueError("cache_controller was built from another CacheInitParams; pass the same object")
+        params.check_same_cache(cache_controller.params)
         if load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {load_back_threshold}")
         self.cache_controller = cache_controller
@@ -221,11 +220,11 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     def flush_step(self) -> None:
         """The scheduler's flush at the end of each step (and after an abort between steps):
         the due backups (``flush_backups``), then every deferred write as one lane job
-        (``flush_writes``). Two tests when there is nothing to do."""
+        (``start_writing``). Two tests when there is nothing to do."""
         if self._due_backups:
             self.flush_backups()
-        if self.cache_controller.pending_writes:
-            self.cache_controller.flush_writes()
+        if self.cache_controller.write_queue:
+            self.cache_controller.start_writing()
 
     def _drop_due_backups(self) -> None:
         nodes, self._due_backups = list(self._due_backups.values()), {}

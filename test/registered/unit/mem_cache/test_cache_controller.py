@@ -39,10 +39,9 @@ class GatedHost(MHATokenToKVPoolHost):
 
 def make_controller(layout="layer_first", io_backend="direct", host_cls=MHATokenToKVPoolHost, page_size=2):
     pool = MHATokenToKVPool(8 * page_size, page_size, torch.bfloat16, 2, 4, 3)
-    params = CacheInitParams(page_size=page_size,
-                             token_to_kv_pool_allocator=PagedTokenToKVPoolAllocator(pool.size, page_size, kvcache=pool))
+    alloc = PagedTokenToKVPoolAllocator(pool.size, page_size, kvcache=pool)
     host = host_cls(pool, size=8 * page_size, layout=layout, io_backend=io_backend)
-    return HiCacheController(params, host), pool
+    return HiCacheController(alloc, host, page_size), pool
 
 
 @pytest.mark.parametrize("layout, io_backend", [("layer_first", "direct"), ("page_first_direct", "direct"),
@@ -123,10 +122,9 @@ def test_thread_lane_runs_jobs_in_order_and_refuses_after_close():
 def test_bad_construction_and_unknown_pools():
     ctl, pool = make_controller()
     with pytest.raises(ValueError, match="token_to_kv_pool_allocator is required"):
-        HiCacheController(CacheInitParams(page_size=2), ctl.mem_pool_host)
-    with pytest.raises(ValueError, match="page_size 2 != CacheInitParams.page_size 4"):
-        HiCacheController(CacheInitParams(page_size=4, token_to_kv_pool_allocator=PagedTokenToKVPoolAllocator(16, 4)),
-                          ctl.mem_pool_host)
+        HiCacheController.from_params(CacheInitParams(page_size=2), ctl.mem_pool_host)
+    with pytest.raises(ValueError, match="host pool page_size 2 != page_size 4"):
+        HiCacheController(PagedTokenToKVPoolAllocator(16, 4), ctl.mem_pool_host, 4)
     with pytest.raises(ValueError, match="no pool 'mamba'|no pool <PoolName.MAMBA"):
         ctl.available(Tier.HOST, PoolName.MAMBA)
     assert ctl.alloc(Tier.HOST, KV, 18) is None  # a shortage is a value, not an error

@@ -73,7 +73,7 @@ def test_layer_zero_is_usable_before_the_last_layer_arrives_on_cuda():
     counter.set_consumer(producer)
     layer0 = pool.get_key_buffer(0)[got.cuda()]  # the compute stream waits for layer 0 only
     torch.cuda.current_stream().synchronize()
-    assert not counter.events[producer].events[LAYERS - 1].query(), "layer 0 waited for the last layer"
+    assert not counter.events[producer].load_events[LAYERS - 1].query(), "layer 0 waited for the last layer"
     assert torch.equal(layer0.cpu(), expected_kv(tokens, layer_num=LAYERS)[0][0])
     pool.get_key_buffer(LAYERS - 1)
     torch.cuda.current_stream().synchronize()

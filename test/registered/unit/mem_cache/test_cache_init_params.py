@@ -22,7 +22,8 @@ def test_every_hybrid_stack_carries_exactly_the_params_coordinates(stack_name):
     expected = ParallelCoords(**COORDS)
     assert stack.cache_controller.parallel_coords() == expected
     assert stack.parallel_coords() == expected
-    assert stack.tree_cache.params is stack.params and stack.cache_controller.params is stack.params
+    assert stack.tree_cache.params is stack.params
+    stack.params.check_same_cache(stack.cache_controller.params)  # the controller's, built from its keywords
     storage = HiCacheStorageConfig.from_cache_params(
         stack.cache_controller.parallel_coords(), stack.host_pool_group, model_name="tiny-model"
     )

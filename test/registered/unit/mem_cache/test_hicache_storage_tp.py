@@ -56,7 +56,8 @@ def mla_cache(rank, group, store):
     pool = MLATokenToKVPool(32, PAGE, torch.bfloat16, 6, 2, 2)
     params = params_for(pool, tp_rank=rank, tp_size=2, tp_cache_group=group)
     host = MLATokenToKVPoolHost(pool, size=48, layout="page_first_direct", io_backend="direct")
-    return HiRadixCache(params, HiCacheController(params, host, **store), 0, "wait_complete")
+    controller = HiCacheController.from_params(params, host, write_policy="write_through", **store)
+    return HiRadixCache(params, controller, 0, "wait_complete")
 
 
 def settle(h):

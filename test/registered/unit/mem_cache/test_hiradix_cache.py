@@ -218,10 +218,10 @@ def test_bad_input():
     with pytest.raises(ValueError, match="no device copy"):
         h.inc_lock_ref(_evicted(h))
     other = make_hicache(page_size=2)
-    with pytest.raises(ValueError, match="another CacheInitParams"):
+    with pytest.raises(ValueError, match="differs between the tree's and the controller's CacheInitParams"):
         HiRadixCache(h.params, other.cache_controller)
     with pytest.raises(ValueError, match="unknown write policy"):
-        HiCacheController(h.params, h.cache_controller.mem_pool_host, "write_sometimes")
+        HiCacheController.from_params(h.params, h.cache_controller.mem_pool_host, write_policy="write_sometimes")
     h.check_integrity()
 
 

@@ -64,7 +64,7 @@ def test_deferred_backup_run_inline_is_acked_at_the_next_check(monkeypatch):
         nodes.append(insert(h, [10 * i + 1, 10 * i + 2, 10 * i + 3, 10 * i + 4]))
         assert nodes[-1].lock_ref == 1 and nodes[-1].host_value is None  # due: locked, not yet written
         assert h.flush_backups() == 4
-        h.cache_controller.flush_writes()
+        h.cache_controller.start_writing()
         assert nodes[-1].lock_ref == 1 and nodes[-1].host_value is not None  # written, locked until acked
         h.check_integrity()
         lane.synchronize()  # a copy measured on the worker is acked once it has run (no race with the check)

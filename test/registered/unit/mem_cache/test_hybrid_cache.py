@@ -6,6 +6,7 @@ import pytest
 import torch
 from tree_fixtures import STACKS, fill_random, params_for, snapshot
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_nsa_hybrid_stack
@@ -46,12 +47,12 @@ def test_round_trip_moves_every_pool(stack_name, layout):
             fill_random(buf, state, gen)
         kwargs["mamba_value"] = state
     before = {n: snapshot(p, slots if n is not PoolName.MAMBA else state) for n, p in pools.items()}
-    assert tree.insert(RadixKey(TOKENS), slots, **kwargs) == 0
+    assert tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots, **kwargs)).prefix_len == 0
     settle(tree)
-    assert tree.evict(len(TOKENS)) == len(TOKENS)
+    assert tree.evict(EvictParams(num_tokens=len(TOKENS))).num_tokens_evicted == len(TOKENS)
     for pool in pools.values():
         pool.clear()
-    m = tree.match_prefix(RadixKey(TOKENS))
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS)))
     assert m.host_hit_length == len(TOKENS)
     got = tree.init_load_back(m.last_host_node, m.host_hit_length)
     assert tree.ready_to_load_host_cache() == 0
@@ -90,9 +91,10 @@ def test_builders_refuse_mismatched_pools():
         build_nsa_hybrid_stack(params_for(mha), DSAIndexerPool(16, 2, 4, 1))
     stack = STACKS["kv_dsa"]()
     with pytest.raises(ValueError, match="anchor device pool is not the pool"):
-        HybridCacheController(params_for(MLATokenToKVPool(16, 2, torch.bfloat16, 4, 2, 2)), stack.host_pool_group)
+        other = params_for(MLATokenToKVPool(16, 2, torch.bfloat16, 4, 2, 2))
+        HybridCacheController(other.token_to_kv_pool_allocator, stack.host_pool_group, 2)
     with pytest.raises(TypeError, match="HostPoolGroup"):
-        HybridCacheController(stack.params, stack.host_pool_group.anchor_pool)
+        HybridCacheController(stack.params.token_to_kv_pool_allocator, stack.host_pool_group.anchor_pool, 2)
     stack.cache_controller.close()
 
 

@@ -68,7 +68,7 @@ def test_reader_of_layer_0_does_not_wait_for_the_last_layer():
         producer = h.ready_to_load_host_cache()
         counter.set_consumer(producer)
         layer0 = pool.get_key_buffer(0)[got]  # waits for layer 0 only: the others are gated
-        events = counter.events[producer].events
+        events = counter.events[producer].load_events
         assert GatedHost.loaded == [0] and not any(e.query() for e in events[1:])
         assert (layer0 == k[0]).all()
         assert (pool.buffers["k"][1:, got] == 0).all()  # the gated layers have not arrived

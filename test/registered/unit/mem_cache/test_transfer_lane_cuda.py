@@ -104,7 +104,7 @@ def test_event_sets_rotate_and_a_reused_set_waits_for_its_last_load():
             for layer in range(2):
                 events.complete(layer)
 
-        lane.submit(job, events.events)
+        lane.submit(job, events.load_events)
     assert order == [0, 1, 2, 0]
     lane.synchronize()
 

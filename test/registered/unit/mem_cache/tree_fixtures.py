@@ -60,7 +60,7 @@ def make_hicache(page_size=1, device_pages=16, host_pages=32, write_policy="writ
     params = make_params(page_size, device_pages, eviction_policy, layer_num, device, **param_kwargs)
     device_pool = params.token_to_kv_pool_allocator.get_kvcache()
     host = host_cls(device_pool, size=host_pages * page_size, layout=layout, io_backend=io_backend)
-    controller = HiCacheController(params, host, write_policy, **(storage or {}))
+    controller = HiCacheController.from_params(params, host, write_policy=write_policy, **(storage or {}))
     return HiRadixCache(params, controller, load_back_threshold, prefetch_policy)
 
 

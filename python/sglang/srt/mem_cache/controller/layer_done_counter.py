@@ -13,39 +13,49 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.mem_cache.controller.transfer_lane import HiCacheTransferError
+from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, HiCacheTransferError
 
 logger = logging.getLogger(__name__)
 
 NUM_EVENT_SETS = 3
 
 
-class LayerLoadingEvent:
-    """One event per layer of one load batch."""
+def _new_event(lane):
+    return CpuEvent(armed=False) if lane is None else lane.new_event(armed=False)
 
-    def __init__(self, num_layers: int, lane):
+
+class LayerLoadingEvent:
+    """One event per layer of one load batch (``load_events``), made by ``lane`` (a transfer
+    lane; None: CPU events, recorded by whoever calls ``complete``)."""
+
+    def __init__(self, num_layers: int, lane=None):
         self.num_layers = num_layers
-        self.events = [lane.new_event(armed=False) for _ in range(num_layers)]
+        self.load_events = [_new_event(lane) for _ in range(num_layers)]
+
+    @property
+    def finish_event(self):
+        """The last layer's event: the whole batch has arrived once it is recorded."""
+        return self.load_events[-1]
 
     def arm(self) -> None:
-        for ev in self.events:
+        for ev in self.load_events:
             ev.arm()
 
     def complete(self, layer: int) -> None:
         """Producer: layer ``layer`` (pool-local) has been copied."""
-        self.events[layer].record()
+        self.load_events[layer].record()
 
     def wait(self, layer: int) -> None:
         """Consumer: wait until layer ``layer`` has been copied (raises if the copy failed)."""
-        self.events[layer].wait()
+        self.load_events[layer].wait()
 
     def finished(self) -> bool:
-        return self.events[-1].query()
+        return self.finish_event.query()
 
     def synchronize(self) -> None:
         """Wait until the batch is done; a failure is reported through the load ack, not here."""
         try:
-            self.events[-1].synchronize()
+            self.finish_event.synchronize()
         except HiCacheTransferError:
             pass
 
@@ -54,9 +64,11 @@ class LayerDoneCounter:
     """Producer/consumer indices over ``NUM_EVENT_SETS`` LayerLoadingEvents.
 
     Mutates only its indices and event sets. ``wait_until`` with no consumer set returns at once.
+    ``lane``: the transfer lane that records the events (the controller's load lane); None
+    (upstream's one-argument form) makes CPU events.
     """
 
-    def __init__(self, num_layers: int, lane):
+    def __init__(self, num_layers: int, lane=None):
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.num_layers = num_layers

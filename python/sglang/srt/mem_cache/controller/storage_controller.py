@@ -36,7 +36,7 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE, PoolName, leading_hits
 from sglang.srt.mem_cache.controller.backend_calls import BackendCalls
-from sglang.srt.mem_cache.controller.storage_ops import BackupOperation, PrefetchOperation, Quarantine
+from sglang.srt.mem_cache.controller.storage_ops import PrefetchOperation, Quarantine, StorageOperation
 from sglang.srt.mem_cache.controller.storage_settings import StorageSettings
 from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, ThreadLane
 
@@ -82,7 +82,7 @@ class StorageController:
         self.io_lane = ThreadLane("hicache-prefetch-io")
         self.backup_lane = ThreadLane("hicache-backup")
         self.query_queue: deque[PrefetchOperation] = deque()
-        self.backup_queue: deque[BackupOperation] = deque()
+        self.backup_queue: deque[StorageOperation] = deque()
         self.holding: list[PrefetchOperation] = []  # ops whose reserved slots are not all released
         self.quarantine: list[Quarantine] = []
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -225,12 +225,12 @@ class StorageController:
         return held + [q.slots[name] for q in self.quarantine if name in q.slots]
 
     # ---- backup -------------------------------------------------------------------------
-    def submit_backup(self, op: BackupOperation) -> None:
+    def submit_backup(self, op: StorageOperation) -> None:
         self.backup_queue.append(op)
         self.count(backup_ops=1)
         self.backup_lane.submit(lambda: self._backup(op), [])
 
-    def _backup(self, op: BackupOperation) -> None:
+    def _backup(self, op: StorageOperation) -> None:
         try:
             existing = 0
             for start in range(0, len(op.keys), STORAGE_BATCH_SIZE):
@@ -253,7 +253,7 @@ class StorageController:
         finally:
             op.done = True
 
-    def _backup_stored_pages_states(self, op: BackupOperation, existing: int) -> None:
+    def _backup_stored_pages_states(self, op: StorageOperation, existing: int) -> None:
         """States after pages storage already has: stored unless found (a shorter prefix may
         have been stored without its state, e.g. as part of a longer one)."""
         for i, slot in op.states:
@@ -275,7 +275,7 @@ class StorageController:
             n += 1
         return n
 
-    def pop_backups(self, n: int) -> list[BackupOperation]:
+    def pop_backups(self, n: int) -> list[StorageOperation]:
         return [self.backup_queue.popleft() for _ in range(n)]
 
     # ---- flush --------------------------------------------------------------------------

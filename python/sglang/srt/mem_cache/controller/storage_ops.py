@@ -1,4 +1,5 @@
-"""The two L2<->L3 operations: a prefetch (storage -> host) and a backup (host -> storage).
+"""The two L2<->L3 operations: a prefetch (storage -> host) and a backup (host -> storage;
+upstream's ``StorageOperation``).
 
 Fields the scheduler thread owns are written only there (state, agreed counts, host slots,
 ``cancel``); fields a storage thread owns are written only there (``local_hit_pages``,
@@ -76,8 +77,8 @@ class PrefetchOperation:
 
 
 @dataclass(eq=False)
-class BackupOperation:
-    """Store the pages ``keys`` held in host slots ``host_indices`` (page i at
+class StorageOperation:
+    """A backup (upstream's name for it): store the pages ``keys`` held in host slots ``host_indices`` (page i at
     ``host_indices[i * page_size]``); ``node``'s host copy is pinned until the ack.
 
     ``states``: (page index i, state host slot) for each trailing state to store with the
@@ -96,7 +97,7 @@ class Quarantine:
     """Host slots of backups abandoned by a bounded flush: a storage thread may still read
     them, so they are neither in the tree nor free until every op in ``ops`` is done."""
 
-    ops: list[BackupOperation]
+    ops: list[StorageOperation]
     slots: dict[PoolName, torch.Tensor]
 
     def released(self) -> bool:

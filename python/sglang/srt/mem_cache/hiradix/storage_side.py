@@ -51,7 +51,7 @@ from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy
 from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
-from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchOperation, PrefetchState, BackupOperation
+from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchOperation, PrefetchState, StorageOperation
 from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class StorageTreeMixin:
         keys = [h for n in nodes for h in n.hash_value]
         host = torch.cat([n.host_value for n in nodes])
         self.protect_host(nodes[-1])
-        self.storage.submit_backup(BackupOperation(nodes[-1], keys, host, self._backup_states(nodes)))
+        self.storage.submit_backup(StorageOperation(nodes[-1], keys, host, self._backup_states(nodes)))
         return len(keys)
 
     def _backup_states(self, nodes: list[TreeNode]) -> list[tuple[int, torch.Tensor]]:

@@ -17,41 +17,72 @@ from __future__ import annotations
 import logging
 
 from sglang.srt.managers.cache_controller import HiCacheController, PoolBinding
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolName
 
 logger = logging.getLogger(__name__)
 
 
 class HybridCacheController(HiCacheController):
-    """``host_pool_group``'s anchor must mirror the device pool behind
-    ``params.token_to_kv_pool_allocator``; its own-slot side pools must be allocators
-    (``alloc``/``free``/``available_size``) on both tiers."""
+    """Upstream's constructor: ``mem_pool_host`` is the HostPoolGroup (kept as
+    ``self.mem_pool_host`` and ``self.host_pool_group``), whose anchor must mirror the device
+    pool behind ``token_to_kv_pool_allocator``; its own-slot side pools must be allocators
+    (``alloc``/``free``/``available_size``) on both tiers. Every other keyword is
+    HiCacheController's (the coordinates end up in ``self.params`` and the storage config).
 
-    def __init__(self, params: CacheInitParams, host_pool_group: HostPoolGroup, write_policy="write_through",
-                 io_backend=None, storage_backend: str | None = None, storage_backend_extra_config=None,
-                 model_name: str | None = None):
-        if not isinstance(host_pool_group, HostPoolGroup):
-            raise TypeError(f"host_pool_group must be a HostPoolGroup, got {type(host_pool_group).__name__}")
-        anchor = host_pool_group.anchor_entry
-        allocator = params.token_to_kv_pool_allocator
-        if allocator is None or anchor.device_pool is not allocator.get_kvcache():
-            raise ValueError("the group's anchor device pool is not the pool of CacheInitParams' allocator")
-        together = [anchor, *host_pool_group.sidecars()]
-        bindings = {anchor.name: PoolBinding([(e.host_pool, e.device_pool) for e in together], anchor.host_pool, allocator)}
-        for entry in host_pool_group.entries:
+    ``transfer_layer_num`` (upstream's earlier name; ``transfer_layer_id_max`` is today's): layer
+    events per load batch, at least the deepest pool's layer count (the default); layers past a
+    pool's own count are skipped for it.
+    """
+
+    def __init__(self, token_to_kv_pool_allocator, mem_pool_host: HostPoolGroup, page_size: int, tp_group=None,
+                 load_cache_event=None, attn_cp_group=None, attn_tp_group=None, pp_group=None,
+                 write_policy="write_through_selective", io_backend="", storage_backend: str | None = None,
+                 prefetch_threshold: int = 256, model_name: str | None = None,
+                 storage_backend_extra_config: dict | str | None = None, transfer_layer_id_max: int | None = None,
+                 enable_storage_metrics: bool = False, host_memory_mode: str = "cache", *,
+                 pp_rank: int | None = None, pp_size: int | None = None, attn_cp_rank: int | None = None,
+                 attn_cp_size: int | None = None, tp_rank: int | None = None, tp_size: int | None = None,
+                 transfer_layer_num: int | None = None):
+        if not isinstance(mem_pool_host, HostPoolGroup):
+            raise TypeError(f"mem_pool_host must be a HostPoolGroup, got {type(mem_pool_host).__name__}")
+        allocator = token_to_kv_pool_allocator
+        if allocator is None or mem_pool_host.anchor_entry.device_pool is not allocator.get_kvcache():
+            raise ValueError("the group's anchor device pool is not the pool of token_to_kv_pool_allocator")
+        if None not in (transfer_layer_num, transfer_layer_id_max) and transfer_layer_num != transfer_layer_id_max:
+            raise ValueError(f"transfer_layer_num={transfer_layer_num} and transfer_layer_id_max="
+                             f"{transfer_layer_id_max} name one count; give one")
+        self.host_pool_group = mem_pool_host
+        self._layer_num_asked = transfer_layer_num if transfer_layer_num is not None else transfer_layer_id_max
+        super().__init__(
+            token_to_kv_pool_allocator, mem_pool_host, page_size, tp_group, load_cache_event, attn_cp_group,
+            attn_tp_group, pp_group, write_policy, io_backend, storage_backend, prefetch_threshold, model_name,
+            storage_backend_extra_config, enable_storage_metrics, host_memory_mode, pp_rank=pp_rank,
+            pp_size=pp_size, attn_cp_rank=attn_cp_rank, attn_cp_size=attn_cp_size, tp_rank=tp_rank, tp_size=tp_size,
+        )
+
+    def _pool_bindings(self) -> tuple[PoolName, dict[PoolName, PoolBinding]]:
+        group = self.host_pool_group
+        anchor = group.anchor_entry
+        together = [anchor, *group.sidecars()]
+        bindings = {anchor.name: PoolBinding([(e.host_pool, e.device_pool) for e in together], anchor.host_pool,
+                                             self.mem_pool_device_allocator)}
+        for entry in group.entries:
             if entry is anchor or entry.shares_anchor_slots:
                 continue
             for obj in (entry.host_pool, entry.device_pool):
                 if not all(hasattr(obj, m) for m in ("alloc", "free", "available_size")):
                     raise TypeError(f"pool {entry.name.value!r}: {type(obj).__name__} cannot hand out slots")
-            bindings[entry.name] = PoolBinding([(entry.host_pool, entry.device_pool)], entry.host_pool, entry.device_pool)
-        self.host_pool_group = host_pool_group
-        super().__init__(params, anchor.host_pool, write_policy, io_backend, bindings, anchor.name,
-                         storage_backend, storage_backend_extra_config, model_name)
+            bindings[entry.name] = PoolBinding([(entry.host_pool, entry.device_pool)], entry.host_pool,
+                                               entry.device_pool)
+        return anchor.name, bindings
 
-    def _storage_host(self):
-        return self.host_pool_group
+    def _transfer_layer_num(self, deepest_pool_layers: int) -> int:
+        asked = self._layer_num_asked
+        if asked is None:
+            return deepest_pool_layers
+        if asked < deepest_pool_layers:
+            raise ValueError(f"transfer_layer_num {asked} is below the deepest pool's {deepest_pool_layers} layers")
+        return asked
 
     def _storage_side_pools(self) -> list[PoolName]:
         if self.anchor_name is not PoolName.KV:

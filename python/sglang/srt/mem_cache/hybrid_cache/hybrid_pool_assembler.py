@@ -7,8 +7,12 @@ One builder per stack:
 - ``build_dsv4_stack``: DeepSeek-V4 logical anchor (no bytes) + compressed state rows (sidecar)
 
 Every builder reads parallel coordinates from ``params`` (CacheInitParams) and nowhere else; it
-passes ``params`` on unchanged, so the controller, the tree and any storage config derived from
-``HybridStack.parallel_coords()`` all see the same values.
+hands them to the controller through upstream's keywords (``HybridCacheController.from_params``:
+``tp_group``, ``pp_group``, ``attn_cp_group``, ``pp_rank``, ``pp_size``, ``attn_cp_rank``,
+``attn_cp_size``, ...) and gives ``params`` to the tree, which checks that the controller's
+CacheInitParams agrees: the controller, the tree and the storage config all see the same values.
+Upstream's keyword-only builder arguments ``load_cache_event``, ``prefetch_threshold`` and
+``enable_storage_metrics`` go to the controller.
 
 Storage (L3): every stack attaches ``config.storage_backend`` and uses ``config.prefetch_policy``:
 sidecars move with their anchor page; the KV + Mamba stack stores each backed-up node's Mamba
@@ -89,7 +93,17 @@ def _anchor_host_slots(config: HiCacheConfig, anchor: KVCache, sidecars: list[KV
     return slots // anchor.page_size * anchor.page_size
 
 
-def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name, side_cls) -> HybridStack:
+def _controller(params: CacheInitParams, group: HostPoolGroup, config: HiCacheConfig, io,
+                controller_kwargs: dict) -> HybridCacheController:
+    """The stack's controller: ``params`` handed over through upstream's keywords, the
+    ``--hicache-*`` settings from ``config``; ``controller_kwargs``: the builder's keyword-only
+    arguments (``load_cache_event``, ``prefetch_threshold``, ``enable_storage_metrics``)."""
+    return HybridCacheController.from_params(params, group, write_policy=config.write_policy, io_backend=io,
+                                             **config.storage_kwargs, **controller_kwargs)
+
+
+def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name, side_cls,
+                   controller_kwargs) -> HybridStack:
     config = config or HiCacheConfig()
     anchor = _anchor_device(params, anchor_kinds)
     _check_sidecar(anchor, side_pool, side_kind)
@@ -104,28 +118,38 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
         PoolEntry(PoolName.KV, anchor_host, anchor, is_primary_index_anchor=True),
         PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True),
     ])
-    controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
+    controller = _controller(params, group, config, io, controller_kwargs)
     tree = HiRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
     return HybridStack(params, group, controller, tree)
 
 
-def build_nsa_hybrid_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None) -> HybridStack:
+def build_nsa_hybrid_stack(params: CacheInitParams, indexer_pool, config: HiCacheConfig | None = None, *,
+                           load_cache_event=None, prefetch_threshold: int = 256,
+                           enable_storage_metrics: bool = False) -> HybridStack:
     """MLA KV anchor + DSA indexer sidecar (same slots, moved together)."""
     return _sidecar_stack(params, config, (PoolKind.MLA,), indexer_pool, PoolKind.DSA_INDEXER, PoolName.INDEXER,
                           lambda pool, anchor_host, io: DSAIndexerPoolHost(pool, anchor_host, anchor_host.layout,
-                                                                           io_backend=io))
+                                                                           io_backend=io),
+                          dict(load_cache_event=load_cache_event, prefetch_threshold=prefetch_threshold,
+                               enable_storage_metrics=enable_storage_metrics))
 
 
-def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig | None = None) -> HybridStack:
+def build_dsv4_stack(params: CacheInitParams, state_pool, config: HiCacheConfig | None = None, *,
+                     load_cache_event=None, prefetch_threshold: int = 256,
+                     enable_storage_metrics: bool = False) -> HybridStack:
     """DeepSeek-V4: a logical anchor (slots, no bytes) + the compressed-state sidecar."""
     return _sidecar_stack(params, config, (PoolKind.DSV4_ANCHOR,), state_pool, PoolKind.DSV4_STATE,
                           PoolName.DSV4_STATE,
                           lambda pool, anchor_host, io: DeepSeekV4StateHostPool(
                               PoolName.DSV4_STATE.value, [pool], anchor_host.page_num, anchor_host.page_size,
-                              anchor_host.layout, io_backend=io))
+                              anchor_host.layout, io_backend=io),
+                          dict(load_cache_event=load_cache_event, prefetch_threshold=prefetch_threshold,
+                               enable_storage_metrics=enable_storage_metrics))
 
 
-def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None) -> HybridStack:
+def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCacheConfig | None = None, *,
+                             load_cache_event=None, prefetch_threshold: int = 256,
+                             enable_storage_metrics: bool = False) -> HybridStack:
     """Attention KV anchor + Mamba states (own slots, one per cached state) -> HiMambaRadixCache."""
     config = config or HiCacheConfig()
     anchor = _anchor_device(params, (PoolKind.MHA, PoolKind.MLA, PoolKind.ASYMMETRIC_MHA))
@@ -142,6 +166,8 @@ def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCach
         mamba_host = MambaPoolHost(mamba_pool, config.hicache_ratio, io_backend=io)
     group = HostPoolGroup([PoolEntry(PoolName.KV, kv_host, anchor, is_primary_index_anchor=True),
                            PoolEntry(PoolName.MAMBA, mamba_host, mamba_pool)])
-    controller = HybridCacheController(params, group, config.write_policy, io, **config.storage_kwargs)
+    controller = _controller(params, group, config, io, dict(
+        load_cache_event=load_cache_event, prefetch_threshold=prefetch_threshold,
+        enable_storage_metrics=enable_storage_metrics))
     tree = HiMambaRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
     return HybridStack(params, group, controller, tree)
