@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sglang.srt.disaggregation.base import IncompatiblePeerError, KVArgs
-from sglang.srt.disaggregation.common.bootstrap import BootstrapClient, CommonKVBootstrapServer
+from sglang.srt.disaggregation.common.bootstrap import CommonKVBootstrapServer
+from sglang.srt.disaggregation.common.bootstrap_client import BootstrapClient
 from sglang.srt.disaggregation.common.compat import PeerInfo
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.test.ci.ci_register import register_cpu_ci

@@ -235,7 +235,7 @@ def test_unreachable_bootstrap_fails_after_timeout_with_reason():
 
 def test_slow_bootstrap_lookup_never_blocks_poll(monkeypatch):
     """A lookup against a prefill server that does not answer waits out the HTTP timeout; it runs
-    on the manager's lookup thread, so the receiver's constructor and polls (the decode
+    on the manager's lookup workers, so the receiver's constructor and polls (the decode
     scheduler's loop) return at once meanwhile, and the room still bootstraps once it answers."""
     server = NixlKVBootstrapServer()
     prefill, *_ = make(DisaggregationMode.PREFILL, server.addr)
@@ -246,7 +246,7 @@ def test_slow_bootstrap_lookup_never_blocks_poll(monkeypatch):
         release.wait(10)  # a peer that takes its time
         return real(addr)
 
-    monkeypatch.setattr(decode, "resolve_targets", stalled)
+    monkeypatch.setattr(decode.lookups, "_resolve", stalled)
     try:
         t0 = time.monotonic()
         recv = NixlKVReceiver(decode, server.addr, 55)

@@ -35,6 +35,7 @@ register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 TIMEOUT_S = 3  # bootstrap and KV-waiting timeouts, and the heartbeat death time, of every server
 ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),
+       "SGLANG_DISAGGREGATION_CLAIM_TIMEOUT": str(TIMEOUT_S),  # rooms nobody claims: test_pd_server_dead_decode
        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(TIMEOUT_S),
        "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.25", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "12"}
 ERROR_BOUND_S = 15  # the client's error must come well before this (the timeouts are 3 s)

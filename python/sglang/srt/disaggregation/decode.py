@@ -26,6 +26,7 @@ import time
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
+from sglang.srt.disaggregation.common.trust import BootstrapAddr
 from sglang.srt.disaggregation.utils import agreed_polls, page_ids_of
 from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
@@ -56,10 +57,10 @@ class DecodeDisagg(DisaggBase):
                                                    "bootstrap_room (send requests through the PD router)")
             self.sched._finish(req)
             return True
-        addr = f"{msg.bootstrap_host}:{msg.bootstrap_port}"
-        try:
+        try:  # the address is validated and checked against the trust policy before any lookup
+            addr = BootstrapAddr(msg.bootstrap_host, msg.bootstrap_port)
             receiver = NixlKVReceiver(self.mgr, addr, msg.bootstrap_room)
-        except ValueError as exc:  # the room already has a receiver here
+        except ValueError as exc:  # malformed, untrusted, or the room already has a receiver here
             req.finish(FinishReason.ABORT, message=str(exc))
             self.sched._finish(req)
             return True

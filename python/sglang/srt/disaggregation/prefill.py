@@ -20,7 +20,7 @@ import logging
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
-from sglang.srt.disaggregation.utils import advertised_host, agreed_polls, page_ids_of
+from sglang.srt.disaggregation.utils import advertised_host, agreed_polls, page_ids_of, pd_secret
 from sglang.srt.managers.schedule_batch import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class PrefillDisagg(DisaggBase):
             from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
 
             try:
-                self.bootstrap_server = NixlKVBootstrapServer(host=args.host, port=port)
+                self.bootstrap_server = NixlKVBootstrapServer(host=args.host, port=port, secret=pd_secret())
             except OSError as exc:
                 raise ValueError(f"--disaggregation-bootstrap-port {port}: cannot listen on {args.host}:{port} "
                                  f"({exc.strerror or exc})") from None

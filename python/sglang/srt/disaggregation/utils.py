@@ -17,7 +17,8 @@ import socket
 
 import torch
 
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, TransferConfig
+from sglang.srt.disaggregation.base.conn import LOOPBACK_HOSTS, KVArgs, KVPoll, TransferConfig
+from sglang.srt.disaggregation.common.trust import ENV_ALLOWED_HOSTS, ENV_SECRET, is_loopback, parse_secret
 from sglang.srt.disaggregation.nixl.agent import ENV_NIXL_BACKEND, ENV_NIXL_BACKEND_PARAMS, parse_nixl_backend_params
 from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX
 
@@ -29,6 +30,7 @@ ENV_BOOTSTRAP_TIMEOUT = "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"
 ENV_WAITING_TIMEOUT = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 ENV_HEARTBEAT_INTERVAL = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
 ENV_HEARTBEAT_MAX_FAILURE = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
+ENV_CLAIM_TIMEOUT = "SGLANG_DISAGGREGATION_CLAIM_TIMEOUT"  # ours: see TransferConfig.claim_timeout_s
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -44,14 +46,33 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+def pd_secret() -> bytes | None:
+    """The deployment's shared secret (``SGLANG_DISAGGREGATION_SECRET``), None when unset."""
+    return parse_secret(os.environ.get(ENV_SECRET))
+
+
+def allowed_bootstrap_hosts(host: str, secret: bytes | None) -> tuple[str, ...]:
+    """``SGLANG_DISAGGREGATION_BOOTSTRAP_ALLOWED_HOSTS`` (comma-separated names, IPs, CIDR
+    networks), else loopback plus this server's own address (when that is loopback, or a
+    secret authenticates it)."""
+    raw = os.environ.get(ENV_ALLOWED_HOSTS)
+    if raw:
+        return tuple(h.strip() for h in raw.split(",") if h.strip())
+    own = (host,) if host and (secret or is_loopback(host)) and host not in LOOPBACK_HOSTS else ()
+    return LOOPBACK_HOSTS + own
+
+
 def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
     """TransferConfig of one rank. Timeouts: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (a
     request waits this long for its peer; default 300), ``..._WAITING_TIMEOUT`` (for its KV once
     both sides met; 300), ``..._HEARTBEAT_INTERVAL`` (1) x ``..._HEARTBEAT_MAX_FAILURE`` (5):
-    a peer silent that long is dead and its requests fail. NIXL: ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
-    (the plugin, default UCX) and ``..._NIXL_BACKEND_PARAMS`` (a JSON object of strings, default {})."""
+    a peer silent that long is dead and its requests fail; ``..._CLAIM_TIMEOUT`` (2): prefill
+    fails a room no decode server claimed in that time. NIXL: ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
+    (the plugin, default UCX) and ``..._NIXL_BACKEND_PARAMS`` (a JSON object of strings, default {}).
+    Trust: ``SGLANG_DISAGGREGATION_SECRET`` and ``..._BOOTSTRAP_ALLOWED_HOSTS`` (``common/trust.py``)."""
     interval = _env_seconds(ENV_HEARTBEAT_INTERVAL, 1.0)
     failures = _env_seconds(ENV_HEARTBEAT_MAX_FAILURE, 5.0)
+    secret = pd_secret()
     return TransferConfig(
         host=host, bootstrap_addr=bootstrap_addr,
         bootstrap_timeout_s=_env_seconds(ENV_BOOTSTRAP_TIMEOUT, 300.0),
@@ -59,6 +80,8 @@ def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
         heartbeat_interval_s=interval, heartbeat_timeout_s=interval * max(failures, 1.5),
         nixl_backend=os.environ.get(ENV_NIXL_BACKEND) or "UCX",
         nixl_backend_params=parse_nixl_backend_params(os.environ.get(ENV_NIXL_BACKEND_PARAMS) or "{}"),
+        claim_timeout_s=_env_seconds(ENV_CLAIM_TIMEOUT, 2.0),
+        secret=secret, allowed_bootstrap_hosts=allowed_bootstrap_hosts(host, secret),
     )
 
 

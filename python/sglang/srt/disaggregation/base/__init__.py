@@ -12,6 +12,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferError,
     StateType,
     TransferConfig,
+    UntrustedPeerError,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "KVTransferError",
     "StateType",
     "TransferConfig",
+    "UntrustedPeerError",
 ]

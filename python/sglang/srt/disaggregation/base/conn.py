@@ -15,6 +15,9 @@ from enum import Enum, IntEnum
 import numpy as np
 
 
+LOOPBACK_HOSTS = ("127.0.0.0/8", "::1", "localhost")  # the default bootstrap allow-list
+
+
 class KVPoll(IntEnum):
     """Where one request's transfer stands, on either side. Values match upstream."""
 
@@ -43,6 +46,11 @@ class KVTransferError(RuntimeError):
 
 class IncompatiblePeerError(ValueError):
     """Prefill and decode cannot exchange KV; the message names both values."""
+
+
+class UntrustedPeerError(IncompatiblePeerError):
+    """A peer this rank must not talk to: a bootstrap host outside the allow-list, or an answer
+    or message that the shared secret does not authenticate. Never retried."""
 
 
 def _check_same_len(name: str, **lists) -> None:
@@ -189,6 +197,12 @@ class TransferConfig:
     init parameters (strings, as NIXL takes them), upstream's ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
     / ``..._PARAMS``; whether the plugin is installed is checked when the agent is made
     (``nixl/agent.py``).
+    ``claim_timeout_s``: prefill fails a room that no decode rank claimed within this time (a
+    live decode server claims its room as soon as the request reaches it, before it waits for
+    memory; the router sends both halves at once, so an unclaimed room means its decode server
+    is down and nobody will ever serve it). Capped by ``bootstrap_timeout_s``.
+    ``secret`` (the deployment's shared secret, never printed) and ``allowed_bootstrap_hosts``
+    (names, IPs, CIDR networks): whom this rank trusts, see ``common/trust.py``.
     """
 
     host: str = "127.0.0.1"
@@ -203,13 +217,17 @@ class TransferConfig:
     pack_chunk_bytes: int = 16 << 20
     nixl_backend: str = "UCX"
     nixl_backend_params: dict[str, str] = field(default_factory=dict)
+    claim_timeout_s: float = 2.0
+    secret: bytes | None = field(default=None, repr=False)
+    allowed_bootstrap_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 
     def __post_init__(self):
         if not isinstance(self.nixl_backend, str) or not self.nixl_backend:
             raise ValueError(f"TransferConfig.nixl_backend must be a NIXL plugin name such as 'UCX', "
                              f"got {self.nixl_backend!r}")
         check_nixl_backend_params(self.nixl_backend_params, "TransferConfig.nixl_backend_params")
-        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for name in ("bootstrap_timeout_s", "transfer_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
+                     "claim_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"TransferConfig.{name} must be a positive number of seconds, got {value!r}")

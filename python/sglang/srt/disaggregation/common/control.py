@@ -4,6 +4,9 @@ Two daemon threads: the receiver decodes every message (a malformed one is logge
 and hands it to ``on_message``; the heartbeat thread sends HEARTBEAT to every tracked peer each
 interval, calls ``on_peer_dead(name, reason)`` once for a peer silent longer than the timeout,
 then ``on_tick()`` (the owner's background progress).
+With a shared secret (``auth``, a ``PeerAuth``) every message out carries its HMAC and a
+message in without a valid one is dropped unread: a stranger who reaches the port can neither
+register, request, claim, abort nor keep a dead peer alive.
 Any message from a tracked peer counts as a sign of life. Sends never block: a message to a
 peer whose queue is full is dropped (the heartbeat timeout then decides).
 """
@@ -18,7 +21,13 @@ from typing import Callable
 
 import zmq
 
-from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, decode_message, encode_message
+from sglang.srt.disaggregation.common.messages import (
+    MalformedMessage,
+    Message,
+    MsgKind,
+    decode_message,
+    encode_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +44,8 @@ class ControlChannel:
 
     def __init__(self, host: str, agent_name: str, on_message: Callable[[Message], None],
                  on_peer_dead: Callable[[str, str], None], heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 on_tick: Callable[[], None] | None = None):
-        self.host, self.agent_name = host, agent_name
+                 on_tick: Callable[[], None] | None = None, auth=None):
+        self.host, self.agent_name, self._auth = host, agent_name, auth
         self._on_message, self._on_peer_dead, self._on_tick = on_message, on_peer_dead, on_tick
         self._interval, self._timeout = heartbeat_interval_s, heartbeat_timeout_s
         self._ctx = zmq.Context()
@@ -76,7 +85,7 @@ class ControlChannel:
 
     def send_to(self, ip: str, port: int, kind: MsgKind, header: dict, blobs=()) -> bool:
         """Send to an endpoint; False when the message was dropped."""
-        frames = encode_message(kind, {"agent_name": self.agent_name, **header}, blobs)
+        frames = encode_message(kind, {"agent_name": self.agent_name, **header}, blobs, self._auth)
         with self._lock:
             if self._stop.is_set():
                 return False
@@ -108,7 +117,7 @@ class ControlChannel:
                 logger.exception("control socket receive failed")
                 continue
             try:
-                msg = decode_message(frames)
+                msg = decode_message(frames, self._auth)
             except MalformedMessage as exc:
                 logger.warning("dropped malformed control message: %s", exc)
                 continue

@@ -4,6 +4,9 @@ A control message is ``[MAGIC, kind, JSON header, *binary blobs]``; each kind ha
 below and ``decode_message`` checks it, so a malformed message raises ``MalformedMessage`` at the
 edge and never reaches the room bookkeeping. Page ids and state slots travel as int64 blobs.
 
+With a shared secret (``PeerAuth``) every message carries one more frame, the HMAC of the
+others; ``decode_message`` drops a message whose MAC is missing or wrong before reading it.
+
 A notification tag names the room, what arrived, and the SENDER'S ENGINE RANK (not its pp rank,
 so several prefill TP ranks with PP=1 never collide):
 ``b"{room}|{kind}|{engine_rank}|{chunk}|{is_last}|{first_page}|{num_pages}"``. A KV chunk names the
@@ -28,6 +31,7 @@ class MalformedMessage(ValueError):
 
 class MsgKind(str, Enum):
     REGISTER = "register"  # decode -> prefill, once per prefill rank: agent metadata and buffers
+    CLAIM = "claim"  # decode -> prefill, once per (room, target) as the request arrives: "this room is mine"
     REQUEST = "request"  # decode -> prefill, once per (room, target): destination pages and duties
     REJECT = "reject"  # prefill -> decode: registration (room -1) or request refused
     ABORT = "abort"  # either way: the room failed or was aborted on the sender's side
@@ -47,6 +51,7 @@ _SCHEMA: dict[MsgKind, tuple[dict[str, type], int]] = {
          "send_state": bool, "send_aux": bool, "aux_index": int, "staging_offset": int},  # -1: no staging
         2,  # destination page ids, destination state slots (int64)
     ),
+    MsgKind.CLAIM: ({"room": int, "engine_rank": int, "tp_rank": int}, 0),
     MsgKind.REJECT: ({"room": int, "reason": str}, 0),
     MsgKind.ABORT: ({"room": int, "reason": str}, 0),
     MsgKind.HEARTBEAT: ({"ip": str, "port": int}, 0),
@@ -64,10 +69,14 @@ class Message:
         return np.frombuffer(self.blobs[i], dtype=np.int64)
 
 
-def encode_message(kind: MsgKind, header: dict, blobs=()) -> list[bytes]:
-    """Frames for ``kind``; arrays in ``blobs`` are sent as int64 bytes."""
+def encode_message(kind: MsgKind, header: dict, blobs=(), auth=None) -> list[bytes]:
+    """Frames for ``kind``; arrays in ``blobs`` are sent as int64 bytes. With an enabled
+    ``auth`` (``PeerAuth``) the HMAC of the frames follows as the last frame."""
     out = [b if isinstance(b, bytes) else np.ascontiguousarray(b, dtype=np.int64).tobytes() for b in blobs]
-    return [MAGIC, kind.value.encode(), json.dumps(header).encode(), *out]
+    frames = [MAGIC, kind.value.encode(), json.dumps(header).encode(), *out]
+    if auth is not None and auth.enabled:
+        frames.append(auth.sign(*frames).encode())
+    return frames
 
 
 def _check_type(name: str, value, typ: type) -> None:
@@ -76,8 +85,20 @@ def _check_type(name: str, value, typ: type) -> None:
         raise MalformedMessage(f"field {name!r} must be {typ.__name__}, got {value!r}")
 
 
-def decode_message(frames: list[bytes]) -> Message:
-    """Parse and validate frames; raise MalformedMessage naming what is wrong."""
+class UnauthenticatedMessage(MalformedMessage):
+    """A control message whose MAC the shared secret does not verify."""
+
+
+def decode_message(frames: list[bytes], auth=None) -> Message:
+    """Parse and validate frames; raise MalformedMessage naming what is wrong
+    (UnauthenticatedMessage, before anything is parsed, when ``auth`` is enabled and the last
+    frame is not the HMAC of the others)."""
+    if auth is not None and auth.enabled:
+        frames = list(frames)
+        mac = frames.pop() if len(frames) > 3 else b""
+        if not auth.verify(mac.decode("ascii", "replace"), *frames):
+            raise UnauthenticatedMessage(f"control message of {len(frames)} frames is not authenticated by the "
+                                         "shared secret")
     if len(frames) < 3 or frames[0] != MAGIC:
         raise MalformedMessage(f"not a PD control message ({len(frames)} frames, magic {frames[0][:16]!r})"
                                if frames else "empty message")

@@ -15,13 +15,11 @@ the caller frees the request's pages; ``failure_exception()`` says why.
 from __future__ import annotations
 
 import logging
-import time
 
 from sglang.srt.disaggregation.base.conn import (
     BaseKVReceiver,
     BaseKVSender,
     DisaggregationMode,
-    IncompatiblePeerError,
     KVPoll,
     KVTransferError,
     as_page_ids,
@@ -132,43 +130,17 @@ class NixlKVSender(_RoomEnd, BaseKVSender):
 class NixlKVReceiver(_RoomEnd, BaseKVReceiver):
     """Decode side of room ``bootstrap_room`` fed by the prefill cluster at ``bootstrap_addr``."""
 
-    def __init__(self, mgr: NixlKVManager, bootstrap_addr: str, bootstrap_room: int):
+    def __init__(self, mgr: NixlKVManager, bootstrap_addr, bootstrap_room: int):
+        """``bootstrap_addr``: a BootstrapAddr or "host:port". Raises ValueError when it is
+        malformed, UntrustedPeerError (a ValueError) when this rank may not contact it (nothing
+        is sent there), or when the room is already open here. The bootstrap lookup starts at
+        once on the manager's lookup workers (a poll never waits on it): an unreachable server
+        is retried until the bootstrap timeout (prefill may still be starting), an
+        incompatible or unauthenticated one fails the room."""
         _check_mode(mgr, DisaggregationMode.DECODE, "NixlKVReceiver")
-        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room)
+        self.mgr, self.room = mgr, int(bootstrap_room)
         self._room = mgr.decode_room(self.room, bootstrap_addr)
-        self._next_try = 0.0
-        self._lookup = None  # the bootstrap lookup in flight on the manager's lookup thread
-        self._try_bootstrap()
-
-    def _try_bootstrap(self) -> None:
-        """Resolve targets on the manager's lookup thread (blocking HTTP: against a dead prefill
-        server each attempt waits out the client timeout, which must not stall the scheduler
-        loop that polls this receiver), one attempt at a time, at most every 50 ms. An
-        unreachable server is retried (prefill may still be starting); an incompatible one
-        fails the room."""
-        if self._room.targets is not None:
-            return
-        if self._lookup is None:
-            if time.monotonic() < self._next_try:
-                return
-            self._next_try = time.monotonic() + 0.05
-            self._lookup = self.mgr.lookup_thread.submit(self.mgr.resolve_targets, self.bootstrap_addr)
-            return
-        if not self._lookup.done():
-            return
-        lookup, self._lookup = self._lookup, None
-        try:
-            targets = lookup.result()
-        except IncompatiblePeerError as exc:
-            with self.mgr._lock:
-                self.mgr._fail_decode_room(self._room, str(exc), tell_prefill=False)
-            return
-        except KVTransferError as exc:  # not up yet, or gone: retried until the bootstrap timeout
-            self._room.bootstrap_error = str(exc)
-            return
-        if targets is not None:
-            with self.mgr._lock:
-                self._room.targets = targets
+        self.bootstrap_addr = self._room.bootstrap_addr
 
     def init(self, kv_indices, aux_index: int | None = None, state_indices=None) -> None:
         """Start the transfer into destination page ids ``kv_indices`` (and aux row, state slots).
@@ -192,8 +164,6 @@ class NixlKVReceiver(_RoomEnd, BaseKVReceiver):
     def poll(self) -> KVPoll:
         if self._final is not None:
             return self._final
-        if self._room.targets is None and self._room.failure is None:
-            self._try_bootstrap()
         state = self.mgr.poll_decode_room(self.room)
         if state in _TERMINAL:
             self._finish(state)

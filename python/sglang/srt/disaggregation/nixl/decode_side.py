@@ -1,7 +1,16 @@
-"""Decode half of NixlKVManager: bootstrap lookup, registration, requests, notifications.
+"""Decode half of NixlKVManager: bootstrap lookup, registration, claims, requests, notifications.
 
-Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control`` and ``args``.
-Mutates ``self.decode_rooms``, ``self.registered_prefill`` and ``self.bootstrap_cache``.
+Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control``, ``args``, ``trust`` and
+``lookups``. Mutates ``self.decode_rooms``, ``self.registered_prefill``, ``self.bootstrap_cache``
+and ``self.staging_quarantine``.
+
+A room's bootstrap address is checked against the trust policy before anything is sent there;
+lookups run on ``lookups`` (one in flight per address, shared by every room waiting on it), and
+when one resolves, every waiting room of that address gets its targets and CLAIMs them at once:
+prefill then knows the room has a live decode (and fails it when that decode dies) long before
+the REQUEST, which waits for memory. The staging range of a room that fails is quarantined like
+the scheduler quarantines its pages (``heartbeat_timeout_s``): a WRITE prefill posted before it
+heard of the failure may still land there, and must not land in another room's staging.
 """
 
 from __future__ import annotations
@@ -12,12 +21,13 @@ import time
 import numpy as np
 
 from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVPoll
-from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
+from sglang.srt.disaggregation.common.bootstrap_client import BootstrapClient
 from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
 from sglang.srt.disaggregation.common.descriptors import page_run_count
 from sglang.srt.disaggregation.common.messages import MalformedMessage, Message, MsgKind, Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, required_dst_info_num
 from sglang.srt.disaggregation.common.staging import SliceLayout
+from sglang.srt.disaggregation.common.trust import BootstrapAddr
 from sglang.srt.disaggregation.nixl.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -26,14 +36,15 @@ logger = logging.getLogger(__name__)
 class DecodeSideMixin:
     # ---- bootstrap ----------------------------------------------------------------------------
 
-    def resolve_targets(self, addr: str) -> list[DecodeTarget] | None:
+    def resolve_targets(self, addr: BootstrapAddr) -> list[DecodeTarget] | None:
         """Look up the prefill ranks this rank talks to and register with each (once per rank).
 
         Returns None while the bootstrap server is not complete; raises IncompatiblePeerError when
-        the prefill side cannot be paired, KVTransferError when the server is unreachable.
+        the prefill side cannot be paired (UntrustedPeerError: not authenticated, or a rank
+        address this rank may not register with), KVTransferError when the server is unreachable.
         Blocking HTTP; call without holding ``self._lock``.
         """
-        client = BootstrapClient(addr)
+        client = BootstrapClient(addr, auth=self.trust.auth)
         with self._lock:
             info = self.bootstrap_cache.get(addr)
         if info is None:
@@ -56,6 +67,8 @@ class DecodeSideMixin:
             record = info["records"].get(plan.prefill_rank) or client.rank_record(plan.prefill_rank)
             if record is None:
                 return None
+            if not self.trust.auth.enabled:  # an authenticated record is a peer's word; else loopback only
+                self.trust.check_host(record["ip"], f"prefill tp_rank {plan.prefill_rank} address")
             info["records"][plan.prefill_rank] = record
             self._ensure_registered(record)
             targets.append(DecodeTarget(plan, record["agent_name"], record["engine_rank"]))
@@ -78,14 +91,41 @@ class DecodeSideMixin:
         self.control.send(name, MsgKind.REGISTER, header, [metadata])
         logger.info("%s registered with prefill %s (engine rank %d)", self.agent_name, name, record["engine_rank"])
 
+    def _lookup_done(self, addr: BootstrapAddr, targets: list[DecodeTarget] | None, exc: Exception | None) -> None:
+        """Hand a finished lookup to every room waiting on ``addr`` (lookup worker thread)."""
+        with self._lock:
+            waiting = [r for r in self.decode_rooms.values()
+                       if r.bootstrap_addr == addr and r.targets is None and r.failure is None]
+            for room in waiting:
+                if isinstance(exc, IncompatiblePeerError):
+                    self._fail_decode_room(room, str(exc), tell_prefill=False)
+                elif exc is not None:  # not up yet, or gone: retried until the bootstrap timeout
+                    room.bootstrap_error = str(exc) or type(exc).__name__
+                elif targets is not None:
+                    room.targets = list(targets)
+                    self._claim(room)
+
+    def _claim(self, room: DecodeRoom) -> None:
+        for t in room.targets:
+            header = {"room": room.room, "engine_rank": self.args.engine_rank, "tp_rank": self.args.tp_rank}
+            if not self.control.send(t.agent_name, MsgKind.CLAIM, header):
+                self._fail_decode_room(room, f"prefill {t.agent_name} unreachable")
+                return
+
     # ---- rooms --------------------------------------------------------------------------------
 
-    def decode_room(self, room_id: int, addr: str) -> DecodeRoom:
+    def decode_room(self, room_id: int, addr: BootstrapAddr | str) -> DecodeRoom:
+        """Open room ``room_id`` fed by the bootstrap server at ``addr`` and start its lookup.
+        Raises ValueError for a malformed address (UntrustedPeerError for one this rank may not
+        contact) or a room id already open here."""
+        addr = addr if isinstance(addr, BootstrapAddr) else BootstrapAddr.parse(addr)
+        self.trust.check_host(addr.host)
         with self._lock:
             if room_id in self.decode_rooms:
                 raise ValueError(f"room {room_id} already has a receiver on {self.agent_name}")
             room = self.decode_rooms[room_id] = DecodeRoom(room_id, addr)
-            return room
+        self.lookups.request(addr)
+        return room
 
     def drop_decode_room(self, room_id: int) -> None:
         with self._lock:
@@ -94,12 +134,13 @@ class DecodeSideMixin:
                 self._release_staging(room)
 
     def _fail_decode_room(self, room: DecodeRoom, reason: str, tell_prefill: bool = True) -> None:
-        """Mark Failed and (unless the news came from prefill) ABORT every target. Idempotent."""
+        """Mark Failed, quarantine its staging and (unless the news came from prefill) ABORT
+        every target. Idempotent."""
         if room.failure is not None:
             return
         room.failure = reason
         logger.warning("%s room %d failed: %s", self.agent_name, room.room, reason)
-        self._release_staging(room)
+        self._release_staging(room, quarantine=True)
         if tell_prefill:
             for t in room.targets or ():
                 self.control.send(t.agent_name, MsgKind.ABORT, {"room": room.room, "reason": reason})
@@ -135,6 +176,7 @@ class DecodeSideMixin:
         long page runs that make direct descriptors cheaper than the copies staging adds)."""
         if self.staging is None or self.args.is_mla:
             return -1
+        self._free_due_staging()
         a = self.args
         hs = head_slice(prefill.total_kv_head_num, prefill.tp_size, target.plan.prefill_rank, a.tp_size, a.tp_rank)
         if hs is None:
@@ -153,10 +195,33 @@ class DecodeSideMixin:
         room.staged.append(StagedSlice(target.engine_rank, off, nbytes, layout))
         return off
 
-    def _release_staging(self, room: DecodeRoom) -> None:
+    def _release_staging(self, room: DecodeRoom, quarantine: bool = False) -> None:
+        """Give the room's staging back; ``quarantine``: not before ``heartbeat_timeout_s`` from
+        now (the room failed, and a WRITE prefill posted may still land in it)."""
+        due = time.monotonic() + self.config.heartbeat_timeout_s
         for st in room.staged:
-            self.staging.free(st.offset, st.nbytes)
+            if quarantine:
+                self.staging_quarantine.append((due, st.offset, st.nbytes))
+            else:
+                self.staging.free(st.offset, st.nbytes)
         room.staged = []
+
+    def _free_due_staging(self) -> None:
+        """Free the quarantined staging ranges whose time is up (under ``self._lock``)."""
+        if not self.staging_quarantine:
+            return
+        now, keep = time.monotonic(), []
+        for due, offset, nbytes in self.staging_quarantine:
+            if now >= due:
+                self.staging.free(offset, nbytes)
+            else:
+                keep.append((due, offset, nbytes))
+        self.staging_quarantine = keep
+
+    @property
+    def staging_quarantined_bytes(self) -> int:
+        with self._lock:
+            return sum(n for _, _, n in self.staging_quarantine)
 
     def _scatter_chunk(self, room: DecodeRoom, notif: Notif) -> None:
         """Move a staged KV chunk (request pages ``[first_page, +num_pages)``) into the pool."""
@@ -209,11 +274,13 @@ class DecodeSideMixin:
         """Drain notifications, then say where the room stands; applies the transfer timeout."""
         self.drain_notifs()
         with self._lock:
+            self._free_due_staging()
             room = self.decode_rooms[room_id]
             if room.failure is not None:
                 return KVPoll.Failed
             now = time.monotonic()
             if room.targets is None:
+                self.lookups.request(room.bootstrap_addr)  # again, unless in flight or just tried
                 if now - room.created > self.config.bootstrap_timeout_s:
                     self._fail_decode_room(room, f"prefill at {room.bootstrap_addr} not ready within "
                                                  f"{self.config.bootstrap_timeout_s}s (last error: "

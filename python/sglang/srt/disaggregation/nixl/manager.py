@@ -29,12 +29,14 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferError,
     TransferConfig,
 )
-from sglang.srt.disaggregation.common.bootstrap import BootstrapClient
+from sglang.srt.disaggregation.common.bootstrap_client import BootstrapClient
+from sglang.srt.disaggregation.common.bootstrap_lookup import AddrLookups
 from sglang.srt.disaggregation.common.compat import PeerInfo
 from sglang.srt.disaggregation.common.control import ControlChannel
 from sglang.srt.disaggregation.common.descriptors import Descs, row_descs, state_descs
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif
 from sglang.srt.disaggregation.common.staging import PoolBuffers, SliceCopier, SliceLayout, StagingArea
+from sglang.srt.disaggregation.common.trust import BootstrapAddr, TrustPolicy
 from sglang.srt.disaggregation.nixl.agent import create_pd_agent
 from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
 from sglang.srt.disaggregation.nixl.kv_routes import KVRoute, KVRoutesMixin
@@ -47,12 +49,14 @@ logger = logging.getLogger(__name__)
 class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVManager):
     """Construct one per rank. Prefill needs ``config.bootstrap_addr``; it blocks until the
     bootstrap server accepted this rank (IncompatiblePeerError when refused, KVTransferError when
-    unreachable within ``bootstrap_timeout_s``)."""
+    unreachable within ``bootstrap_timeout_s``). ValueError when ``config``'s trust settings are
+    inconsistent (an allow-list off loopback without a secret)."""
 
     def __init__(self, args: KVArgs, mode: DisaggregationMode, config: TransferConfig = TransferConfig()):
         self.args, self.mode, self.config = args, DisaggregationMode(mode), config
         if self.mode is DisaggregationMode.PREFILL and not config.bootstrap_addr:
             raise ValueError("prefill NixlKVManager needs TransferConfig.bootstrap_addr ('host:port')")
+        self.trust = TrustPolicy(config.allowed_bootstrap_hosts, config.secret)
         self.peer_info = PeerInfo.from_kv_args(args)
         self.agent_name = f"{self.mode.value}-{args.engine_rank}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
@@ -62,8 +66,9 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         # Prefill gathers the next staged piece here while the current one is on the wire.
         self.copy_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.agent_name}-copy")
         # decode: bootstrap lookups are blocking HTTP (up to the client timeout against a dead
-        # prefill server); they run here so a receiver's poll never blocks the scheduler loop
-        self.lookup_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.agent_name}-lookup")
+        # prefill server); they run here, per address, so a receiver's poll never blocks the
+        # scheduler loop and a bad host delays only the rooms that name it
+        self.lookups = AddrLookups(self.resolve_targets, self._lookup_done, name=f"{self.agent_name}-lookup")
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
         regions = [
@@ -77,11 +82,12 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         self.decode_rooms: dict[int, DecodeRoom] = {}
         self.decode_peers: dict[str, dict] = {}  # prefill side: agent name -> REGISTER header
         self.registered_prefill: dict[str, int] = {}  # decode side: prefill agent name -> engine rank
-        self.bootstrap_cache: dict[str, dict] = {}  # decode side: bootstrap addr -> prefill info
+        self.bootstrap_cache: dict[BootstrapAddr, dict] = {}  # decode side: bootstrap addr -> prefill info
+        self.staging_quarantine: list[tuple[float, int, int]] = []  # decode: (free-after, offset, bytes)
         self.route_counts: Counter[KVRoute] = Counter()  # prefill side
         self.control = ControlChannel(
             config.host, self.agent_name, self._on_message, self._on_peer_dead,
-            config.heartbeat_interval_s, config.heartbeat_timeout_s, self._progress,
+            config.heartbeat_interval_s, config.heartbeat_timeout_s, self._progress, auth=self.trust.auth,
         )
         if self.mode is DisaggregationMode.PREFILL:
             self._register_with_bootstrap()
@@ -93,6 +99,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
     def _on_message(self, msg: Message) -> None:
         handler = {
             (DisaggregationMode.PREFILL, MsgKind.REGISTER): self._handle_register,
+            (DisaggregationMode.PREFILL, MsgKind.CLAIM): self._handle_claim,
             (DisaggregationMode.PREFILL, MsgKind.REQUEST): self._handle_request,
             (DisaggregationMode.PREFILL, MsgKind.ABORT): self._handle_prefill_abort,
             (DisaggregationMode.DECODE, MsgKind.REJECT): self._handle_reject,
@@ -110,6 +117,8 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         progresses its UCX worker, which a bare notification (no handle) needs to go out."""
         if self.mode is DisaggregationMode.DECODE:
             self.drain_notifs()
+            with self._lock:
+                self._free_due_staging()
             return
         with self._lock:
             for room in self.prefill_rooms.values():
@@ -215,7 +224,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         """Stop the control channel and copy thread, release every handle and deregister memory."""
         self.control.close()
         self.copy_thread.shutdown(wait=True)
-        self.lookup_thread.shutdown(wait=True, cancel_futures=True)
+        self.lookups.shutdown()
         with self._lock:
             for room in self.prefill_rooms.values():
                 for transfer in room.handles:
@@ -237,7 +246,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
     def _register_with_bootstrap(self) -> None:
         record = {"engine_rank": self.args.engine_rank, "tp_rank": self.args.tp_rank, "ip": self.config.host,
                   "port": self.control.port, "agent_name": self.agent_name, "peer": self.peer_info.to_json()}
-        client = BootstrapClient(self.config.bootstrap_addr)
+        client = BootstrapClient(BootstrapAddr.parse(self.config.bootstrap_addr), auth=self.trust.auth)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         while True:
             try:

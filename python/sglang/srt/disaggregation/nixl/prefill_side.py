@@ -1,7 +1,14 @@
-"""Prefill half of NixlKVManager: decode registrations, requests, chunk sends and room polling.
+"""Prefill half of NixlKVManager: decode registrations, claims, requests, chunk sends and room
+polling.
 
 Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control``, ``args`` and the
 ``send_*`` byte movers. Mutates ``self.decode_peers`` and ``self.prefill_rooms``.
+
+A room waits for its decode destinations at most ``bootstrap_timeout_s`` (upstream's
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``: decode may wait that long for memory), but only
+while a live decode rank claims it: a room no decode rank claimed within ``claim_timeout_s``
+fails (its decode server never got the request: dead, or refused it), and so does every room a
+decode peer claimed when that peer dies.
 """
 
 from __future__ import annotations
@@ -72,6 +79,29 @@ class PrefillSideMixin:
         self.control.add_peer(name, h["ip"], h["port"])
         logger.info("%s accepted decode %s (tp %d/%d)", self.agent_name, name, h["tp_rank"], peer.tp_size)
 
+    def _open_room(self, room_id: int, name: str) -> PrefillRoom | None:
+        """The room a decode message names (opened sender-less if new); None, after answering
+        with ABORT, when the room already failed."""
+        failure = self.failed_rooms.get(room_id)
+        room = self.prefill_rooms.get(room_id) if failure is None else None
+        if room is None and failure is None:
+            room = self.prefill_rooms[room_id] = PrefillRoom(room_id)
+        failure = failure or room.failure
+        if failure is not None:  # e.g. it timed out waiting for this very decode
+            self.control.send(name, MsgKind.ABORT, {"room": room_id, "reason": failure})
+            return None
+        return room
+
+    def _handle_claim(self, msg: Message) -> None:
+        name, room_id = msg.header["agent_name"], msg.header["room"]
+        with self._lock:
+            if name not in self.decode_peers:
+                logger.warning("%s dropped a claim of room %d from unregistered %s", self.agent_name, room_id, name)
+                return
+            room = self._open_room(room_id, name)
+            if room is not None:
+                room.claims.add(name)
+
     def _validate_request(self, msg: Message, peer: dict) -> DstInfo:
         """Check a REQUEST against the decode rank's registration; raise ValueError naming values."""
         h, p = msg.header, peer["peer"]
@@ -124,14 +154,10 @@ class PrefillSideMixin:
                 logger.error("%s refused room %d from %s: %s", self.agent_name, room_id, name, exc)
                 self.control.send(name, MsgKind.REJECT, {"room": room_id, "reason": str(exc)})
                 return
-            failure = self.failed_rooms.get(room_id)
-            room = self.prefill_rooms.get(room_id) if failure is None else None
-            if room is None and failure is None:
-                room = self.prefill_rooms[room_id] = PrefillRoom(room_id)
-            failure = failure or room.failure
-            if failure is not None:  # e.g. it timed out waiting for this very request
-                self.control.send(name, MsgKind.ABORT, {"room": room_id, "reason": failure})
+            room = self._open_room(room_id, name)
+            if room is None:
                 return
+            room.claims.add(name)
             if name in room.dsts:
                 logger.warning("%s dropped a second request for room %d from %s", self.agent_name, room_id, name)
                 return
@@ -149,7 +175,7 @@ class PrefillSideMixin:
     def _prefill_peer_dead(self, name: str, reason: str) -> None:
         with self._lock:
             for room in list(self.prefill_rooms.values()):  # failing may drop sender-less rooms
-                if name in room.dsts and not (room.last_posted and not room.handles):
+                if name in room.claims and not (room.last_posted and not room.handles):
                     self._fail_prefill_room(room, f"decode peer lost: {reason}")
             self.decode_peers.pop(name, None)
             try:
@@ -189,7 +215,7 @@ class PrefillSideMixin:
         for transfer in room.handles:
             self.finish(transfer)
         room.handles = []
-        for name in room.dsts:
+        for name in room.claims:  # every decode rank that claimed it (those that sent a request too)
             self.control.send(name, MsgKind.ABORT, {"room": room.room, "reason": reason})
         if not room.has_sender:  # opened by decode requests only: nobody will poll it
             self.drop_prefill_room(room.room)
@@ -263,6 +289,11 @@ class PrefillSideMixin:
                 return KVPoll.Failed
             now = time.monotonic()
             if not room.ready:
+                claim_s = self.config.claim_timeout_s
+                if (not room.claims and claim_s < self.config.bootstrap_timeout_s and now - room.created > claim_s):
+                    self._fail_prefill_room(room, f"no decode server claimed the room within {claim_s}s (the "
+                                                  "router's decode server is down or refused the request)")
+                    return KVPoll.Failed
                 if now - room.created > self.config.bootstrap_timeout_s:
                     got = f"{len(room.dsts)} of {room.required_dst_info_num or '?'}"
                     self._fail_prefill_room(room, f"only {got} decode destinations arrived within "

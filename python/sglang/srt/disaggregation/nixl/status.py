@@ -19,6 +19,7 @@ import numpy as np
 from sglang.srt.disaggregation.common.messages import Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import HeadSlice, PairPlan, StateSlice
 from sglang.srt.disaggregation.common.staging import SliceLayout
+from sglang.srt.disaggregation.common.trust import BootstrapAddr
 
 
 @dataclass
@@ -157,6 +158,7 @@ class PrefillRoom:
     created: float = field(default_factory=time.monotonic)
     required_dst_info_num: int | None = None
     dsts: dict[str, DstInfo] = field(default_factory=dict)
+    claims: set[str] = field(default_factory=set)  # decode agents that claimed it (CLAIM or REQUEST)
     num_pages: int | None = None
     aux_index: int | None = None
     pages_sent: int = 0
@@ -196,7 +198,7 @@ class StagedSlice:
 @dataclass
 class DecodeRoom:
     room: int
-    bootstrap_addr: str
+    bootstrap_addr: BootstrapAddr
     created: float = field(default_factory=time.monotonic)
     targets: list[DecodeTarget] | None = None
     status: TransferStatus | None = None
