@@ -31,12 +31,14 @@ def decode_flags(*extra: str) -> tuple[str, ...]:
 
 
 def launch_servers(model: str, flag_sets: list[tuple[str, ...]], env: dict | None = None,
-                   timeout_s: float = 180, log_dir: str | None = None) -> list:
+                   timeout_s: float = 180, log_dir: str | None = None, envs: list[dict] | None = None) -> list:
     """One server per flag set, started in parallel (logs in ``log_dir``); all stopped again if
-    any fails."""
+    any fails. ``envs``: per server, added to ``env``."""
+    envs = envs or [{}] * len(flag_sets)
     with ThreadPoolExecutor(len(flag_sets)) as pool:
-        futures = [pool.submit(launch_server_process, model, *BASE_FLAGS, *flags, timeout_s=timeout_s, env=env,
-                               log_dir=log_dir) for flags in flag_sets]
+        futures = [pool.submit(launch_server_process, model, *BASE_FLAGS, *flags, timeout_s=timeout_s,
+                               env={**(env or {}), **extra}, log_dir=log_dir)
+                   for flags, extra in zip(flag_sets, envs, strict=True)]
     servers, errors = [], []
     for fut in futures:
         try:
