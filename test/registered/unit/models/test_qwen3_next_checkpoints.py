@@ -142,3 +142,47 @@ def test_checkpoints_are_evicted_when_requests_need_state_slots(model_path, hf_m
     tree_states = sum(n.mamba_value is not None for n in sched.tree_cache._all_nodes())
     assert pool.available_size() + tree_states == pool.size and tree_states <= pool.size
     sched.shutdown()
+
+
+# ---- the forward's checkpoints and where they are taken --------------------------------------------
+def test_checkpoint_inside_a_prefill_equals_the_state_of_a_prefill_ending_there(model_path):
+    """``StateSlots.track``: the states written at offsets 64 and 96 of a 150-token prefill equal
+    (bitwise: the same chunk grid) those of prefills of the first 64 / 96 tokens, and the request's
+    own outputs are unchanged by the checkpoints."""
+    from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.test.hf_reference import make_runner
+
+    runner = make_runner(model_path, device="cpu", max_total_tokens=1024)
+    pool, prompt = runner.state_pool, _tokens(150)
+
+    def prefill(ids, track=()):
+        row, own = runner.req_to_token_pool.alloc(1)[0], int(pool.alloc(1)[0])
+        loc = runner.token_to_kv_pool_allocator.alloc(-(-len(ids) // PAGE) * PAGE)[: len(ids)]
+        slots = StateSlots((ZERO_STATE,), (own,), (tuple(track),) if track else ())
+        batch = ForwardBatch.init_extend(runner, [row], [0], [ids], loc, mamba_slots=slots)
+        return runner.forward(batch).next_token_logits, own
+
+    a, b = (int(pool.alloc(1)[0]) for _ in range(2))
+    logits, own = prefill(prompt, [(64, a), (96, b)])
+    plain_logits, plain_own = prefill(prompt)
+    assert torch.equal(logits, plain_logits) or float((logits - plain_logits).abs().max()) < 1e-5
+    for slot, n in ((a, 64), (b, 96)):
+        _, ref = prefill(prompt[:n])
+        for name, buf in pool.buffers.items():
+            assert torch.equal(buf[:, slot], buf[:, ref]), (name, n)
+
+
+def test_track_positions_interval_branch_and_last_page():
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.mamba_state import MambaStateSlots
+
+    tree = SimpleNamespace(page_size=PAGE, disable=False, supports_mamba=lambda: True)
+    slots = MambaStateSlots(tree, state_pool=None, track_interval=64)
+    req = SimpleNamespace(mamba_branch_len=160)
+    assert slots._track_positions(req, 0, 200) == [64, 128, 160, 192]
+    assert slots._track_positions(req, 160, 200) == [192]  # the branch is where it started
+    assert slots._track_positions(req, 192, 208) == []  # ends on a page: the end state is the request's own
+    assert slots._track_positions(req, 0, 17) == [16]
+    assert MambaStateSlots(tree, None, track_interval=24).track_interval == 48  # rounded to whole pages
