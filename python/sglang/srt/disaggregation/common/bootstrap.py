@@ -4,8 +4,8 @@ Routes (JSON bodies, at most ``MAX_BODY_BYTES``; a longer ``Content-Length`` is 
 413 before anything is read, a missing one with 411):
 - ``PUT /route``: a prefill rank registers ``{engine_rank, tp_rank, ip, port, agent_name, peer}``
   where ``peer`` is a ``PeerInfo``. A rank whose peer facts differ from the ranks already
-  registered is refused with 400 naming both values; a record for a tp_rank another agent
-  holds is refused with 409 (only the same agent may register it again).
+  registered is refused with 400 naming both values; a record for a tp_rank already registered
+  is refused with 409 unless it is the same record (a retried PUT): nobody can redirect a rank.
 - ``GET /route``: ``{tp_size, peer, ranks}`` once every prefill rank registered, 503 before.
 - ``GET /route?tp_rank=R``: rank R's record, 503 until it registered.
 - ``GET /route/nonce``: a single-use nonce (60 s) for the next authenticated ``PUT``.
@@ -206,7 +206,8 @@ class CommonKVBootstrapServer(BaseKVBootstrapServer):
 
     def register(self, record: dict, peer: PeerInfo) -> None:
         """Store a rank record; raise IncompatiblePeerError when its peer facts differ from the
-        first, PeerConflict when another agent holds its tp_rank or engine_rank."""
+        first or another tp_rank holds its engine_rank, PeerConflict when its tp_rank holds
+        another record."""
         with self._lock:
             if self._peer is not None and peer != self._peer:
                 diffs = [
@@ -217,9 +218,10 @@ class CommonKVBootstrapServer(BaseKVBootstrapServer):
                 raise IncompatiblePeerError(f"prefill tp_rank {record['tp_rank']} disagrees with earlier ranks: "
                                             + "; ".join(diffs))
             held = self._ranks.get(record["tp_rank"])
-            if held is not None and held["agent_name"] != record["agent_name"]:
+            if held is not None and any(held[k] != record[k] for k in RANK_FIELDS):
                 raise PeerConflict(f"prefill tp_rank {record['tp_rank']} is already registered by agent "
-                                   f"{held['agent_name']}; only that agent may register it again")
+                                   f"{held['agent_name']} at {held['ip']}:{held['port']}; only the same record "
+                                   "may be registered again")
             owner = next((r for r, rec in self._ranks.items()
                           if rec["engine_rank"] == record["engine_rank"] and r != record["tp_rank"]), None)
             if owner is not None:
