@@ -27,7 +27,7 @@ from sglang.test.engine_utils import make_tiny_model
 from sglang.test.mooncake_master import MooncakeMaster, mooncake_or_skip
 from sglang.test.server_utils import launch_server_process
 
-register_cpu_ci(est_time=150, suite="nightly-cpu")
+register_cpu_ci(est_time=90, suite="nightly-cpu")
 
 TRANSFER_TIMEOUT_S = 10.0  # the backend's bound on a call whose master or peer is gone
 RECOVERY_DEADLINE_S = 90.0  # the restarted master found again by both clients' heartbeats
