@@ -51,6 +51,8 @@ def cache_init_params(args, runner) -> CacheInitParams:
         tp_rank=runner.tp_rank,
         tp_size=runner.tp_size,
         tp_cache_group=get_tp_group().cpu_group,
+        # rank 0 publishes; the other ranks hold the same tree and record nothing
+        enable_kv_cache_events=bool(getattr(args, "kv_events_config", None)) and runner.tp_rank == 0,
     )
 
 

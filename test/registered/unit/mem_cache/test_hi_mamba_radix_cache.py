@@ -8,6 +8,7 @@ import pytest
 import torch
 from tree_fixtures import fill_random, kv_mamba_stack, snapshot
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -43,7 +44,7 @@ class Env:
             state = self.mamba.alloc(1)
             for buf in self.mamba.buffers.values():
                 fill_random(buf, state, self.gen)
-        prefix = self.tree.insert(RadixKey(tokens), slots, mamba_value=state)
+        prefix = self.tree.insert(InsertParams(key=RadixKey(tokens), value=slots, mamba_value=state)).prefix_len
         if prefix:
             self.alloc.free(slots[:prefix])
         return state
@@ -53,7 +54,7 @@ class Env:
         self.tree.check_hicache_events()
 
     def match(self, tokens):
-        return self.tree.match_prefix(RadixKey(tokens))
+        return self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
 
 
 def test_eviction_keeps_the_slot_hooks_of_side_pools():
@@ -63,7 +64,7 @@ def test_eviction_keeps_the_slot_hooks_of_side_pools():
     env.settle()
     node = env.match([1, 2, 3, 4]).last_device_node
     assert node.mamba_value is not None and node.mamba_host_value is not None
-    assert env.tree.evict(4) == 4
+    assert env.tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
     assert node.mamba_value is None and node.mamba_host_value is not None  # the state left the device with the KV
     assert env.tree.evict_host(4) == 4 and not env.tree._is_attached(node)
     env.tree.check_integrity()
@@ -89,7 +90,8 @@ def test_state_moves_with_its_kv_through_the_host():
     env.settle()
     node = env.match([1, 2, 3, 4]).last_device_node
     assert node.mamba_host_value.tolist() == [0] and env.mamba_host.available_size() == env.mamba_host.size - 1
-    assert env.tree.evict(4) == 4 and node.mamba_value is None and env.mamba.available_size() == 4
+    assert env.tree.evict(EvictParams(num_tokens=4)).num_tokens_evicted == 4
+    assert node.mamba_value is None and env.mamba.available_size() == 4
     env.mamba.clear()
     m = env.match([1, 2, 3, 4])
     assert (m.host_hit_length, m.last_host_node) == (4, node)
@@ -109,7 +111,7 @@ def test_load_back_returns_the_stateless_device_bridge_too():
     env.insert([1, 2, 3, 4, 5, 6])
     env.settle()
     leaf = env.match([1, 2, 3, 4, 5, 6]).last_device_node
-    env.tree.evict(2)  # only the leaf [5, 6] goes
+    env.tree.evict(EvictParams(num_tokens=2))  # only the leaf [5, 6] goes
     m = env.match([1, 2, 3, 4, 5, 6])
     assert m.device_indices.numel() == 2 and m.host_hit_length == 4  # [3, 4] (no state) + [5, 6]
     got = env.tree.init_load_back(m.last_host_node, m.host_hit_length)
@@ -125,8 +127,8 @@ def test_write_back_backs_up_the_unbacked_ancestors_too():
     env.insert([1, 2, 3, 4])
     env.insert([1, 2, 5, 6])
     upper = env.match([1, 2, 5, 6]).last_device_node.parent
-    assert upper.key.token_ids == (1, 2) and not upper.backuped
-    assert env.tree.evict(2) == 2
+    assert upper.key.token_ids == [1, 2] and not upper.backuped
+    assert env.tree.evict(EvictParams(num_tokens=2)).num_tokens_evicted == 2
     assert upper.backuped and not upper.evicted  # copied to keep the host prefix contiguous
     env.tree.check_integrity()
     env.settle()
@@ -176,11 +178,11 @@ def test_evict_mamba_and_the_leak_check():
         env.insert(tokens)
     assert env.mamba.available_size() == 0
     env.settle()
-    assert env.tree.evict_mamba(1) == 1 and env.mamba.available_size() == 1
+    assert env.tree.evict(EvictParams(mamba_num=1)).mamba_num_evicted == 1 and env.mamba.available_size() == 1
     env.tree.check_integrity()
     slots = env.alloc.alloc(2)
     with pytest.raises(ValueError, match="one slot"):
-        env.tree.insert(RadixKey([9, 9]), slots, mamba_value=torch.tensor([1, 2]))
+        env.tree.insert(InsertParams(key=RadixKey([9, 9]), value=slots, mamba_value=torch.tensor([1, 2])))
     env.tree.check_integrity([slots])  # refused whole: the caller still holds its slots
     env.alloc.free(slots)
     env.tree.reset()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tree_fixtures import assert_kv, held_pages, kv_mamba_stack, token_values, write_kv
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -68,7 +69,7 @@ class HiMambaMachine(RuleBasedStateMachine):
         self.running = []
 
     def _match(self, tokens, load_back):
-        m = self.tree.match_prefix(RadixKey(tokens))
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
         prefix, last = m.device_indices, m.last_device_node
         if load_back and m.host_hit_length:
             got = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
@@ -88,9 +89,9 @@ class HiMambaMachine(RuleBasedStateMachine):
         self.tree.inc_lock_ref(last)
         need = -(-(len(tokens) - prefix.numel()) // 2) * 2
         if self.alloc.available_size() < need:
-            self.tree.evict(need - self.alloc.available_size())
+            self.tree.evict(EvictParams(num_tokens=need - self.alloc.available_size()))
         if self.mamba.available_size() < 1:
-            self.tree.evict_mamba(1)
+            self.tree.evict(EvictParams(mamba_num=1))
         own, state = self.alloc.alloc(need), self.mamba.alloc(1)
         if own is None or state is None:
             for pool, got in ((self.alloc, own), (self.mamba, state)):
@@ -123,7 +124,7 @@ class HiMambaMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 8))
     def evict(self, n):
-        self.tree.evict(n)
+        self.tree.evict(EvictParams(num_tokens=n))
 
     @rule(n=st.integers(1, 8))
     def evict_host(self, n):
@@ -131,7 +132,7 @@ class HiMambaMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 2))
     def evict_mamba(self, n):
-        self.tree.evict_mamba(n)
+        self.tree.evict(EvictParams(mamba_num=n))
 
     @rule()
     def check_events(self):

@@ -18,7 +18,7 @@ register_cpu_ci(est_time=4, suite="per-commit-cpu")
     "kwargs, message",
     [
         (dict(storage_backend="s3", model_name="m"),
-         "storage_backend 's3' is not allowed; allowed: dynamic, file, nixl"),
+         "storage_backend 's3' is not allowed; allowed: dynamic, file, mooncake, nixl"),
         (dict(storage_backend="file"), "model_name must be a non-empty string when storage_backend is set"),
         (dict(storage_backend_extra_config={"a": 1}),
          "storage_backend_extra_config is set but storage_backend is None"),
@@ -66,7 +66,7 @@ def test_defaults_are_documented_values():
 @pytest.mark.parametrize(
     "storage, message",
     [
-        ({"storage_backend": "nope", "model_name": "m"}, "unknown storage backend 'nope'; known: dynamic, file, nixl"),
+        ({"storage_backend": "nope", "model_name": "m"}, "unknown storage backend 'nope'; known: dynamic, file, mooncake, nixl"),
         ({"storage_backend": "file", "model_name": "m", "storage_backend_extra_config": {"bogus_key": 1}},
          "unknown extra config key 'bogus_key'"),
         ({"storage_backend": "file", "model_name": ""}, "model_name must be a non-empty string"),

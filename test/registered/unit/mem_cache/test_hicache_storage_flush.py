@@ -13,6 +13,7 @@ import torch
 from storage_test_backends import scripted_extra
 from tree_fixtures import assert_kv, kv_mamba_stack, make_hicache, start_request
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchState
@@ -67,14 +68,14 @@ def test_a_hung_backup_is_abandoned_its_slots_quarantined_until_it_returns(tmp_p
     backend, host = h.cache_controller.storage_backend, h.cache_controller.mem_pool_host
     serve(h, T)
     assert backend.wait_hanging(DEADLINE_S)
-    quarantined = h.match_prefix(RadixKey(T)).last_device_node.host_value.clone()
+    quarantined = h.match_prefix(MatchPrefixParams(key=RadixKey(T))).last_device_node.host_value.clone()
     err = timed_reset(h)
     assert err.pending == {"backups": 1, "reads": 0, "queries": 0} and "1 backups" in str(err)
-    assert h.match_prefix(RadixKey(T)).device_indices.numel() == 0  # the cache is empty
+    assert h.match_prefix(MatchPrefixParams(key=RadixKey(T))).device_indices.numel() == 0  # the cache is empty
     assert host.available_size() == host.size - len(T) and not is_free(h, quarantined).any()
     h.check_integrity()  # quarantined slots count as held
     serve(h, U)  # it keeps serving; no new host copy lands on a quarantined slot
-    u_host = h.match_prefix(RadixKey(U)).last_device_node.host_value
+    u_host = h.match_prefix(MatchPrefixParams(key=RadixKey(U))).last_device_node.host_value
     assert not torch.isin(u_host, quarantined).any()
     assert h.cache_controller.get_stats()["l3"]["flush_abandoned_backups"] == 1
     backend.release_hangs()
@@ -108,12 +109,13 @@ def test_a_hung_prefetch_read_keeps_its_slots_until_it_returns(tmp_path):
     assert held.numel() == len(T) and not is_free(h, held).any()
     h.check_integrity()
     r = serve(h, U)  # its host copy must survive the late read
-    assert not torch.isin(h.match_prefix(RadixKey(U)).last_device_node.host_value, held).any()
+    assert not torch.isin(h.match_prefix(MatchPrefixParams(key=RadixKey(U))).last_device_node.host_value, held).any()
     backend.release_hangs()
     h.storage.synchronize()
     h.check_hicache_events()
     assert is_free(h, held).all() and h.cache_controller.held_host_indices() == []
-    assert h.evict(len(U)) == len(U)  # U now lives on host only: load it back and check it
+    # U now lives on host only: load it back and check it
+    assert h.evict(EvictParams(num_tokens=len(U))).num_tokens_evicted == len(U)
     r = start_request(h, U)
     assert r.loaded == len(U)
     assert_kv(h.token_to_kv_pool_allocator.get_kvcache(), r.kv_indices, U)
@@ -146,7 +148,7 @@ def test_a_hung_mamba_backup_quarantines_its_state_slot_too(tmp_path):
     tree, controller = stack.tree_cache, stack.cache_controller
     mamba = stack.host_pool_group.get_entry(PoolName.MAMBA)
     slots = stack.params.token_to_kv_pool_allocator.alloc(len(T))
-    tree.insert(RadixKey(T), slots, mamba_value=mamba.device_pool.alloc(1))
+    tree.insert(InsertParams(key=RadixKey(T), value=slots, mamba_value=mamba.device_pool.alloc(1)))
     controller.synchronize()
     tree.check_hicache_events()
     assert controller.storage_backend.wait_hanging(DEADLINE_S)

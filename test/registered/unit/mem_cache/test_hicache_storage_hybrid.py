@@ -8,6 +8,7 @@ import pytest
 import torch
 from tree_fixtures import STACKS, fill_random, snapshot
 
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.tree_node import RadixKey
@@ -54,14 +55,14 @@ def test_every_pool_round_trips_through_l3(tmp_path, backend, stack_name, layout
         for buf in pool.buffers.values():
             fill_random(buf, slots, gen)
     before = {name: snapshot(pool, slots) for name, pool in pools.items()}
-    tree.insert(RadixKey(TOKENS), slots)
+    tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots))
     settle(tree)
     tree.reset()  # flush L1 and L2
     for pool in pools.values():
         pool.clear()
     assert tree.prefetch_from_storage("r", tree.root_node, TOKENS) == len(TOKENS)
     wait_prefetch(tree, "r")
-    m = tree.match_prefix(RadixKey(TOKENS))
+    m = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS)))
     assert m.host_hit_length == len(TOKENS)
     got = tree.init_load_back(m.last_host_node, m.host_hit_length)
     tree.ready_to_load_host_cache()
@@ -84,15 +85,15 @@ def test_a_missing_sidecar_page_limits_the_hit(tmp_path):
     stack = STACKS["kv_dsa"](config(tmp_path, "file", "layer_first"))
     tree, backend = stack.tree_cache, stack.cache_controller.storage_backend
     slots = stack.params.token_to_kv_pool_allocator.alloc(len(TOKENS))
-    tree.insert(RadixKey(TOKENS), slots)
+    tree.insert(InsertParams(key=RadixKey(TOKENS), value=slots))
     settle(tree)
-    node = tree.match_prefix(RadixKey(TOKENS)).last_device_node
+    node = tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS))).last_device_node
     tree.reset()
     name = backend.codec(PoolName.INDEXER).object_names(node.hash_value[2])[0]
     (tmp_path / "file" / name[:2] / f"{name}.bin").unlink()
     tree.prefetch_from_storage("r", tree.root_node, TOKENS)
     wait_prefetch(tree, "r")
-    assert tree.match_prefix(RadixKey(TOKENS)).host_hit_length == 4
+    assert tree.match_prefix(MatchPrefixParams(key=RadixKey(TOKENS))).host_hit_length == 4
     tree.reset()
     stack.cache_controller.close()
 

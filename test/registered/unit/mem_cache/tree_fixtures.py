@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -148,7 +149,7 @@ def start_request(cache, tokens, extra_key=None, load_back=True, writer=None) ->
     (nothing held) when the device is too full."""
     P = cache.page_size
     alloc = cache.token_to_kv_pool_allocator
-    m = cache.match_prefix(RadixKey(tokens, extra_key))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, extra_key)))
     prefix, last, loaded = m.device_indices, m.last_device_node, 0
     if load_back and m.host_hit_length:
         got = cache.init_load_back(m.last_host_node, m.host_hit_length)
@@ -158,7 +159,7 @@ def start_request(cache, tokens, extra_key=None, load_back=True, writer=None) ->
     cache.inc_lock_ref(last)
     need = math.ceil((len(tokens) - prefix.numel()) / P) * P
     if alloc.available_size() < need:
-        cache.evict(need - alloc.available_size())
+        cache.evict(EvictParams(num_tokens=need - alloc.available_size()))
     slots = alloc.alloc(need)
     if loaded:  # the forward waits for every layer of the batch's load, admitted or not
         cache.cache_controller.load_lane.synchronize()
@@ -263,7 +264,7 @@ class MambaL3Env:
             for buf in self.mamba.buffers.values():
                 fill_random(buf, state, self.gen)
             state_bytes = snapshot(self.mamba, state)
-        prefix = self.tree.insert(RadixKey(tokens), slots, mamba_value=state)
+        prefix = self.tree.insert(InsertParams(key=RadixKey(tokens), value=slots, mamba_value=state)).prefix_len
         if prefix:
             self.alloc.free(slots[:prefix])
         return kv_bytes, state_bytes
@@ -291,7 +292,7 @@ class MambaL3Env:
 
     def load_back(self, tokens):
         """Match, load the host part back; (match, device slots of the whole hit, its end node)."""
-        m = self.tree.match_prefix(RadixKey(tokens))
+        m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(tokens)))
         got = self.tree.init_load_back(m.last_host_node, m.host_hit_length)
         assert got is not None
         self.tree.ready_to_load_host_cache()
@@ -323,7 +324,7 @@ def mamba_l3_filled(tmp_path, **kwargs):
     kv_a, state_a = env.insert(MAMBA_A)
     kv_b, state_b = env.insert(MAMBA_AB)
     env.settle()
-    b = env.tree.match_prefix(RadixKey(MAMBA_AB)).last_device_node
+    b = env.tree.match_prefix(MatchPrefixParams(key=RadixKey(MAMBA_AB))).last_device_node
     hashes = b.parent.hash_value + b.hash_value
     env.flush()
     kv_ab = {c: torch.cat([kv_a[c], kv_b[c][:, len(MAMBA_A):]], dim=1) for c in kv_a}
