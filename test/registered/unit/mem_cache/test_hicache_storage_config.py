@@ -60,7 +60,7 @@ def test_server_flags_pass_straight_through(tmp_path):
 
 def test_defaults_are_documented_values():
     assert split_extra_config({"storage_dir": "/x"}) == (StorageSettings(256, 1.0, 0.25, 30.0), {"storage_dir": "/x"})
-    assert HiCacheConfig().prefetch_policy is PrefetchPolicy.BEST_EFFORT
+    assert HiCacheConfig().prefetch_policy is PrefetchPolicy.TIMEOUT  # upstream 0.5.23's default
 
 
 @pytest.mark.parametrize(

@@ -167,7 +167,7 @@ def test_upstream_compatibility_flags_are_accepted(tmp_path):
     assert parsed.enable_metrics and parsed.enable_cache_report and parsed.trust_remote_code
     assert parsed.disable_hicache_numa_detect and parsed.tokenizer_path == str(tmp_path)
     assert (parsed.model_name, parsed.mem_fraction_static, parsed.log_level) == ("m", 0.7, "critical")
-    assert args().hicache_storage_prefetch_policy == "best_effort"  # upstream's default
+    assert args().hicache_storage_prefetch_policy == "timeout"  # upstream 0.5.23's default
 
 
 def test_tokenizer_path_is_checked_instead_of_the_model_directory(tmp_path):

@@ -53,7 +53,9 @@ class PrefetchPolicy(ChoiceEnum):
         return "prefetch_policy"
 
 
-DEFAULT_PREFETCH_POLICY = PrefetchPolicy.BEST_EFFORT  # upstream's default
+# upstream 0.5.23's default: an idle server waits (within the budget) for its L3 hits instead of
+# scheduling the request before any page arrived
+DEFAULT_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
 
 _THRESHOLD = {
     WritePolicy.WRITE_THROUGH: 1,
