@@ -110,6 +110,25 @@ def test_short_jobs_run_inline_only_while_short_and_never_ahead_of_queued_work(m
         lane.submit(lambda: None, [], short=True)
 
 
+def test_a_short_job_after_a_waiter_ran_the_queue_always_runs_inline(monkeypatch):
+    """A waiter (synchronize) that ran a queued job leaves the worker a stale wake-up; the worker
+    must not take the run lock for it, or the next short job goes to the worker (and its ack a
+    step later). Each round: an unmeasured job is queued, synchronize runs it (here or on the
+    worker), then a short job must run in submit."""
+    monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", float("inf"))
+    lane = ThreadLane("stale-wake", run_on_wait=True)
+    me = threading.current_thread().name
+    seen = []
+    for i in range(200):
+        lane._short_job_s = float("inf")  # unmeasured again: queued for the worker
+        lane.submit(recorder(seen, ("queued", i)), [], short=True)
+        lane.synchronize()
+        lane.submit(recorder(seen, ("inline", i)), [], short=True)
+        assert seen[-1] == (("inline", i), me), i
+    assert lane.num_inline == 200
+    lane.close()
+
+
 def test_failing_inline_job_fails_its_events_and_keeps_the_lane_usable(monkeypatch):
     monkeypatch.setattr(transfer_lane, "INLINE_MAX_S", 0.005)
     lane = ThreadLane("inline-fail", run_on_wait=True)

@@ -187,6 +187,7 @@ class ThreadLane:
         # longer job and decays with shorter ones. num_inline counts short jobs run in submit.
         self._short_job_s = float("inf")
         self.num_inline = 0
+        self._running = False  # a job is running (set and cleared under _run_lock)
         # Jobs wait in _pending (deque appends/pops are atomic); every pop and run happens under
         # _run_lock, so jobs run one at a time and in order whichever thread takes them. _wake
         # gets one token per submit; a token whose job a waiter already ran finds nothing.
@@ -207,8 +208,11 @@ class ThreadLane:
         module docstring); either way it runs after every job submitted before it."""
         if self._closed:  # the worker only stops through close()
             raise RuntimeError(f"transfer lane {self.name} is closed")
+        # With nothing queued or running, whoever holds the run lock is about to let it go (a waiter
+        # that ran the queue, or the worker finding it empty), so waiting for it is short; a stale
+        # holder would otherwise send a short job to the worker, and its ack a step later.
         if (short and self.run_on_wait and self._short_job_s < INLINE_MAX_S and not self._pending
-                and self._run_lock.acquire(blocking=False)):
+                and not self._running and self._run_lock.acquire()):
             try:
                 if not self._pending:  # nothing queued or running ahead of it: order is kept
                     self.num_inline += 1
@@ -225,7 +229,11 @@ class ThreadLane:
             job, events, short = self._pending.popleft()
         except IndexError:
             return False
-        self._run_job(job, events, short)
+        self._running = True
+        try:
+            self._run_job(job, events, short)
+        finally:
+            self._running = False
         return True
 
     def _run_job(self, job: Job, events: Sequence[CpuEvent], short: bool) -> None:
@@ -243,6 +251,8 @@ class ThreadLane:
 
     def _run(self) -> None:
         while self._wake.get() is not None:
+            if not self._pending:  # its job already ran in a waiter's thread: leave the lock alone
+                continue
             with self._run_lock:
                 self._run_next()
 
