@@ -152,3 +152,38 @@ def test_failing_inline_job_fails_its_events_and_keeps_the_lane_usable(monkeypat
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+class _TorchEventBeforeRecord:
+    """torch.cuda.Event as it answers before any record(): query() is True (CUDA's semantics for
+    an event with no work), synchronize() and stream waits return at once. Stands in for the
+    GPU here; test_transfer_lane_cuda.py checks the same with real events."""
+
+    def __init__(self):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_cuda_event_armed_without_its_job_is_not_done(monkeypatch):
+    monkeypatch.setattr(transfer_lane.torch.cuda, "Event", _TorchEventBeforeRecord)
+    monkeypatch.setattr(transfer_lane.torch.cuda, "current_stream", lambda: None)
+    ev = transfer_lane.CudaEvent(armed=True)
+    assert not ev.query()  # a deferred write's ack must wait for the copy, not pass at once
+    for wait in (ev.synchronize, ev.wait):
+        with pytest.raises(RuntimeError, match="never submitted"):
+            wait()
+    ev.record()
+    assert ev.query()
+    ev.synchronize()
+    ev.fail(ValueError("copy failed"))
+    assert ev.query()  # failed counts as done; synchronize raises the failure
+    with pytest.raises(HiCacheTransferError):
+        ev.synchronize()

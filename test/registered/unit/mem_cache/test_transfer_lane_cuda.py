@@ -143,3 +143,15 @@ def test_failed_layer_copy_raises_in_the_waiter_and_on_check_on_cuda():
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_an_armed_event_whose_job_was_not_submitted_is_not_done():
+    ev = CudaEvent(armed=True)  # torch's own query() answers True before any record
+    assert not ev.query()
+    with pytest.raises(RuntimeError, match="never submitted"):
+        ev.synchronize()
+    with pytest.raises(RuntimeError, match="never submitted"):
+        ev.wait()
+    ev.record()
+    ev.synchronize()
+    assert ev.query()

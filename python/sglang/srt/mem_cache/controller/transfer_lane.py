@@ -142,9 +142,14 @@ class CudaEvent:
         self.error = exc
 
     def query(self) -> bool:
-        return self.error is not None or self._event.query()
+        """Done: failed, or recorded and reached by its stream. An armed event whose job was not
+        submitted yet (a deferred write) is not done, though torch's query() says so."""
+        return self.error is not None or (self.recorded and self._event.query())
 
     def synchronize(self, timeout: float | None = None) -> None:
+        if not self.recorded and self.error is None:
+            raise RuntimeError("transfer event armed but its job was never submitted (start the deferred "
+                               "copies first): waiting on it would return before the copy ran")
         self._event.synchronize()
         if self.error is not None:
             raise HiCacheTransferError(f"transfer failed: {self.error!r}") from self.error
@@ -152,6 +157,9 @@ class CudaEvent:
     def wait(self) -> None:
         if self.error is not None:
             raise HiCacheTransferError(f"transfer failed: {self.error!r}") from self.error
+        if not self.recorded:  # a stream waiting on an unrecorded event does not wait at all
+            raise RuntimeError("transfer event armed but its job was never submitted: the compute stream "
+                               "would not wait for the copy")
         torch.cuda.current_stream().wait_event(self._event)
 
 

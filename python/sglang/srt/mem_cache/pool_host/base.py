@@ -33,13 +33,19 @@ from sglang.srt.mem_cache.utils import as_cpu_index, check_in_range, check_page_
 logger = logging.getLogger(__name__)
 
 
+
+def pins_by_default(device_pool_device) -> bool:
+    """Pinned host memory only serves copies to and from a CUDA device."""
+    return torch.device(device_pool_device).type == "cuda"
+
 class HostKVCache:
     """Host mirror of a device pool.
 
     Upstream's keywords: sized by ``host_size`` (GB of host memory, when > 0) or else
     ``host_to_device_ratio`` times the device pool size, or exactly ``size`` slots when given
     (side pools take their anchor's size); the size is rounded down to whole pages.
-    ``pin_memory`` None pins when CUDA is present; ``device`` is where the host buffers live
+    ``pin_memory`` None pins when the device pool is on a CUDA device (a CPU pool on a CUDA host
+    pins nothing and makes no CUDA context); ``device`` is where the host buffers live
     (``cpu``); ``io_backend`` None picks ``kernel`` on CUDA, ``direct`` elsewhere.
 
     ``kv_buffer`` holds the component buffers as the pool kind shapes them (``init_kv_buffer``);
@@ -80,6 +86,8 @@ class HostKVCache:
         self.dtype = device_pool.dtype
         size = self._resolve_size(host_to_device_ratio, host_size, size)
         io_backend = default_io_backend(device_pool.device) if io_backend is None else io_backend
+        if pin_memory is None:
+            pin_memory = pins_by_default(device_pool.device)
         self._setup(size, layout, io_backend, pin_memory, device, allocator_type)
 
     def _setup(self, size: int, layout, io_backend, pin_memory, device, allocator_type) -> None:
@@ -95,7 +103,7 @@ class HostKVCache:
         self.io: IORoutine = resolve_io(self.kind, self.layout, self.io_backend)
         self.size = size
         self.page_num = self.size // self.page_size
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = bool(pin_memory)
         check_host_memory(self.size * self.size_per_token, f"{type(self).__name__} ({self.size} slots)")
         self._host_memory: list[HostBuffer] = []
         self.kv_buffer = self.init_kv_buffer()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.memory_pool import PoolKind
+from sglang.srt.mem_cache.pool_host.base import pins_by_default
 from sglang.srt.mem_cache.pool_host.memory import available_host_bytes
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.kv_pools import make_device_pool, make_host_pool
@@ -75,3 +76,14 @@ def test_alloc_free_pages():
         host.free(b[:2])
     assert host.available_size() == 8
     assert host.alloc(8).tolist() == list(range(0, 8))
+
+
+@pytest.mark.parametrize("kind", [PoolKind.MHA, PoolKind.MLA, PoolKind.MAMBA])
+def test_a_cpu_pool_on_a_cuda_host_pins_nothing(kind, monkeypatch):
+    """--device cpu on a machine with a GPU: host pools mirror a CPU device pool, so they pin no
+    memory (pinning would make a CUDA context on GPU 0 for nothing). CUDA pools pinning by
+    default is checked in test_pinned_host_cuda.py."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    host = make_host_pool(make_device_pool(kind), "layer_first", "direct")
+    assert host.pin_memory is False
+    assert pins_by_default("cpu") is False and pins_by_default("cuda:0") is True
