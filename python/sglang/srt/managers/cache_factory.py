@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.kvcacheio.dispatch import supported_cells
 from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.checkpoint_fingerprint import storage_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ def _storage_flags_error(args, exc: ValueError) -> ValueError:
 def hicache_config(args) -> HiCacheConfig:
     """The --hicache-* flags as a HiCacheConfig; a bad storage option names the flags."""
     storage = args.hicache_storage_backend is not None
+    # the weights' fingerprint, not the name alone: other weights never read these pages
+    storage_model = storage_model_name(args) if storage else None
     try:
         return HiCacheConfig(
             write_policy=args.hicache_write_policy,
@@ -75,7 +78,7 @@ def hicache_config(args) -> HiCacheConfig:
             storage_backend=args.hicache_storage_backend,
             storage_backend_extra_config=dict(args.storage_extra_config) if storage else None,
             prefetch_policy=args.hicache_storage_prefetch_policy,
-            model_name=args.model_name if storage else None,
+            model_name=storage_model,
         )
     except ValueError as exc:
         raise _storage_flags_error(args, exc) if storage else exc from None

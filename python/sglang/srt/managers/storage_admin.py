@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from sglang.srt.managers.io_struct import ControlKind, ControlOutput, ControlReq
 from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy, WritePolicy
 from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg
+from sglang.srt.model_executor.checkpoint_fingerprint import storage_model_name
 from sglang.srt.utils.redact import redact_config_json, redact_text
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class StorageAdmin:
         self._require_idle()
         error = None
         try:
-            self.controller.attach_storage_backend(req.backend, model_name=self.scheduler.args.model_name,
+            self.controller.attach_storage_backend(req.backend, model_name=storage_model_name(self.scheduler.args),
                                                    storage_backend_extra_config=req.extra_config_json)
             self._check_tree_takes(self.controller.storage)
         except Exception as exc:  # noqa: BLE001 - a bad config or a failing constructor: refused
