@@ -21,7 +21,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
-register_cpu_ci(est_time=40, suite="per-commit-cpu")
+register_cpu_ci(est_time=40, suite="nightly-cpu")
 
 SYSTEM, PAGE = 160, 16
 WORKLOAD = {"clients": 4, "rounds": 3, "system_len": SYSTEM, "question_len": 40, "max_new": 8, "concurrent": False}
