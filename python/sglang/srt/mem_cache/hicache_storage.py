@@ -275,6 +275,13 @@ class HiCacheStorage(ABC):
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> dict[PoolName, list[bool]]:
         raise NotImplementedError(f"{type(self).__name__} does not support side pools")
 
+    def host_writes_settled(self) -> bool:
+        """False while a read that already answered a miss may still write the host slots it
+        targeted (a timed-out zero-copy transfer the plugin cannot cancel). The controller keeps
+        the slots of a failed read until this is True again, so they are never handed to another
+        page while a late transfer can still land in them."""
+        return True
+
     def clear(self) -> None:
         """Delete what this backend stored (best effort)."""
 

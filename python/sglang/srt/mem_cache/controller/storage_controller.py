@@ -5,7 +5,8 @@
 - IO thread: reads the agreed hit pages into reserved host slots, chunk by chunk, advancing
   ``op.completed_pages`` by the leading pages that arrived; stops at a miss or when cancelled;
   with a state pool it then reads the state after the last hit page (only when every page
-  arrived: KV without its state is never used);
+  arrived: KV without its state is never used). A read that failed while the backend may still
+  write host memory (``host_writes_settled``) keeps its slots until the backend says it ended;
 - backup thread: asks which leading pages storage already has and stores only the rest, with
   the trailing states of the backed-up nodes (a state whose pages are already stored is
   checked and stored on its own).
@@ -51,6 +52,7 @@ COUNTERS = (
     "prefetch_pages_loaded",  # pages inserted into the tree (agreed over ranks)
     "prefetch_pages_duplicate",  # arrived, but the tree had them meanwhile (freed)
     "prefetch_state_misses",  # every page arrived but the state after them did not (nothing kept)
+    "prefetch_reads_unsettled",  # failed reads whose slots waited for a late transfer to end
     "backup_ops",
     "backup_pages_existing",  # already in storage: not written again
     "backup_pages_submitted",  # handed to batch_set
@@ -179,7 +181,30 @@ class StorageController:
                     op.failed = True
                     self.count(prefetch_state_misses=1)
         finally:
+            if op.failed and not self._host_settled():
+                op.unsettled = True
+                self.count(prefetch_reads_unsettled=1)
             op.io_done = True
+
+    def _host_settled(self) -> bool:
+        """Whether no failed read can still write host memory (``host_writes_settled``); a
+        backend that cannot say is trusted, one whose answer raises is not."""
+        settled = getattr(self.backend, "host_writes_settled", None)
+        if settled is None:
+            return True
+        try:
+            return bool(settled())
+        except Exception:  # noqa: BLE001 - keep the slots rather than risk a late write into reused ones
+            logger.warning("storage backend host_writes_settled() failed", exc_info=True)
+            return False
+
+    def _read_over(self, op: PrefetchOperation) -> bool:
+        """``op``'s IO thread is done and no late transfer can still write its slots."""
+        if not op.io_done:
+            return False
+        if op.unsettled and self._host_settled():
+            op.unsettled = False
+        return not op.unsettled
 
     def release_prefetch(self, op: PrefetchOperation, handed_tokens: int, state_handed: bool = False) -> None:
         """The tree took (or freed) ``op.held[:handed_tokens]`` and, with ``state_handed``, the
@@ -197,7 +222,7 @@ class StorageController:
         backups whose writes have (scheduler thread)."""
         keep = []
         for op in self.holding:
-            if op.cancel and op.io_done:
+            if op.cancel and self._read_over(op):
                 if op.held is not None and op.held.numel():
                     self.free_host(PoolName.KV, op.held)
                 if op.state_held is not None:
@@ -303,7 +328,7 @@ class StorageController:
         quarantined = [op for q in self.quarantine for op in q.ops]
         return {
             "backups": sum(not op.done for op in [*self.backup_queue, *quarantined]),
-            "reads": sum(not op.io_done for op in self.holding),
+            "reads": sum(not self._read_over(op) for op in self.holding),
             "queries": sum(not op.query_done for op in self.query_queue),
         }
 

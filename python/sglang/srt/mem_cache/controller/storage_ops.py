@@ -62,6 +62,7 @@ class PrefetchOperation:
     state_ok: bool = False
     io_done: bool = False
     failed: bool = False
+    unsettled: bool = False  # it failed while the backend may still write its slots
 
     def elapsed(self) -> float:
         return time.monotonic() - self.start_time

@@ -127,6 +127,14 @@ class HiCacheNixl(PagedStorage):
         if codec.name is PoolName.KV:
             self.is_zero_copy = ctx.is_zero_copy
 
+    def host_writes_settled(self) -> bool:
+        """A zero-copy READ that timed out stays registered until NIXL reports it ended, and may
+        write the host pool until then (``NixlIO.transfer``); bounce reads land in the get areas,
+        which no call uses while one is overdue (``BoundedCalls``)."""
+        if not any(ctx.is_zero_copy for ctx in self.contexts.values()):
+            return True
+        return not any(io.calls.unavailable for io in (self.io, self.io_alt) if io is not None)
+
     # ---- existence ----------------------------------------------------------------------
     def _exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
         expected = [s.nbytes + TRAILER_BYTES for s in codec.segments] * (len(names) // len(codec.segments))
