@@ -100,7 +100,7 @@ class ServerArgs:
                                                "when a request stops waiting for its L3 prefetch",
                                                _choices(PrefetchPolicy))
     hicache_storage_backend_extra_config: str | None = opt(
-        None, "backend options: a JSON object, or @path to a .json or .toml file")
+        None, "backend options: a JSON object, or @path to a .json, .yaml, .yml or .toml file")
     hicache_storage_roots: str | None = opt(None, "directories (comma-separated, existing) under which a runtime "
                                             "attach may place L3 storage, besides the startup storage directory; "
                                             "an attach naming any other directory is refused")
@@ -340,15 +340,15 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
 
 # ---- extra config ---------------------------------------------------------------------------
 def load_extra_config(value: str | None) -> dict:
-    """A JSON object string, or ``@path`` to a .json / .toml file, as a dict."""
+    """A JSON object string, or ``@path`` to a .json / .yaml / .yml / .toml file, as a dict."""
     flag = "--hicache-storage-backend-extra-config"
     if value is None or value == "":
         return {}
     if value.startswith("@"):
         path = value[1:]
         ext = os.path.splitext(path)[1].lower()
-        if ext not in (".json", ".toml"):
-            raise ValueError(f"{flag} {value!r}: the file must end in .json or .toml")
+        if ext not in CONFIG_FILE_EXTENSIONS:
+            raise ValueError(f"{flag} {value!r}: the file must end in one of {', '.join(CONFIG_FILE_EXTENSIONS)}")
         try:
             with open(path, "rb") as f:
                 raw = f.read()
@@ -357,6 +357,17 @@ def load_extra_config(value: str | None) -> dict:
         return _parse_config_bytes(raw, ext, f"{flag} {value!r}")
     # the inline value is not quoted: it may hold credentials (access_key, secret_key)
     return _parse_config_bytes(value.encode(), ".json", f"{flag} (inline JSON, {len(value)} characters)")
+
+
+CONFIG_FILE_EXTENSIONS = (".json", ".yaml", ".yml", ".toml")
+
+
+def _yaml_module(what: str):
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"{what}: reading YAML needs the PyYAML package (pip install 'sglang[serve]')") from None
+    return yaml
 
 
 def _toml_module(what: str):
@@ -371,13 +382,19 @@ def _toml_module(what: str):
 
 
 def _parse_config_bytes(raw: bytes, ext: str, what: str) -> dict:
+    yaml = _yaml_module(what) if ext in (".yaml", ".yml") else None
+    toml = _toml_module(what) if ext == ".toml" else None
     try:
-        if ext == ".toml":
-            data = _toml_module(what).loads(raw.decode())
+        if toml is not None:
+            data = toml.loads(raw.decode())
+        elif yaml is not None:
+            data = yaml.safe_load(raw.decode())  # plain data only: no tag builds an object
         else:
             data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError and TOMLDecodeError are ValueErrors
-        raise ValueError(f"{what}: not valid {ext[1:].upper()} ({exc})") from None
+    except (ValueError, UnicodeDecodeError, getattr(yaml, "YAMLError", ValueError)) as exc:
+        # JSONDecodeError and TOMLDecodeError are ValueErrors
+        kind = "YAML" if ext in (".yaml", ".yml") else ext[1:].upper()
+        raise ValueError(f"{what}: not valid {kind} ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{what}: must be a JSON/TOML object (key -> value), got {type(data).__name__}")
+        raise ValueError(f"{what}: must be a JSON/YAML/TOML object (key -> value), got {type(data).__name__}")
     return data

@@ -117,13 +117,21 @@ def test_extra_config_json_and_files(tmp_path):
     parsed = args("--enable-hierarchical-cache", "--hicache-storage-backend", "file",
                   "--hicache-storage-backend-extra-config", f"@{tmp_path / 'c.toml'}")
     assert parsed.storage_extra_config["storage_dir"] == "/d"
+    for name in ("c.yaml", "c.yml"):  # upstream's third format
+        (tmp_path / name).write_text("storage_dir: /d\nplugin_params:\n  bucket: b\nprefetch_threshold: 256\n")
+        assert load_extra_config(f"@{tmp_path / name}") == {"storage_dir": "/d", "plugin_params": {"bucket": "b"},
+                                                            "prefetch_threshold": 256}
 
 
 @pytest.mark.parametrize("make, words", [
     (lambda d: "{bad", ["not valid JSON"]),
-    (lambda d: "[1, 2]", ["must be a JSON/TOML object"]),
+    (lambda d: "[1, 2]", ["must be a JSON/YAML/TOML object"]),
     (lambda d: f"@{d / 'missing.json'}", ["cannot read the file"]),
-    (lambda d: f"@{d / 'c.yaml'}", [".json or .toml"]),
+    (lambda d: f"@{d / 'c.ini'}", [".json, .yaml, .yml, .toml"]),
+    (lambda d: (d / "bad.yaml").write_text("a: [1, 2") and f"@{d / 'bad.yaml'}", ["not valid YAML"]),
+    (lambda d: (d / "list.yaml").write_text("- 1\n- 2\n") and f"@{d / 'list.yaml'}", ["must be a JSON/YAML/TOML object"]),
+    (lambda d: (d / "obj.yaml").write_text("a: !!python/object:os.system {}\n") and f"@{d / 'obj.yaml'}",
+     ["not valid YAML"]),
     (lambda d: (d / "bad.toml").write_text("= nope") and f"@{d / 'bad.toml'}", ["not valid TOML"]),
 ])
 def test_extra_config_errors_name_the_flag(tmp_path, make, words):
