@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lfu")  # mem_cache.evict_policy.EvictionPolicy (checked in a test)
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # upstream's choices (EvictionPolicy: checked in a test)
+HOST_MEMORY_MODES = ("cache", "buffer_only")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")  # managers.schedule_policy.SchedulePolicy (checked in a test)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -69,7 +70,12 @@ class ServerArgs:
     mamba_track_interval: int = opt(256, "state models: also checkpoint the linear-attention state every this "
                                     "many tokens (rounded to a multiple of --page-size); branch points and the "
                                     "last page of each prefill are always checkpointed")
-    radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first", EVICTION_POLICIES)
+    radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first: lru (least recently "
+                                     "used), lfu (least frequently used), slru (segmented LRU: prefixes hit fewer "
+                                     "than protected_threshold times go first), priority (lower request priority "
+                                     "first, then LRU); tlru is upstream's and refused here", EVICTION_POLICIES)
+    radix_eviction_policy_config: str | None = opt(None, "parameters of --radix-eviction-policy as a JSON object, "
+                                                   "e.g. '{\"protected_threshold\": 4}' for slru")
     schedule_policy: str = opt("fcfs", "order in which waiting requests are admitted: fcfs (arrival), lpm (longest "
                                "cached prefix first), lof (longest output first), random", SCHEDULE_POLICIES)
     schedule_conservativeness: float = opt(1.0, "scales the decode tokens reserved per admitted request (>= 1.0: "
@@ -88,6 +94,8 @@ class ServerArgs:
                                     "prompt_tokens_details.cached_tokens")
     # HiCache
     enable_hierarchical_cache: bool = opt(False, "keep evicted prefixes in a host pool (L2) and load them back")
+    hicache_host_memory_mode: str = opt("cache", "host memory as a HiCache tier (cache); buffer_only (a staging "
+                                        "buffer to L3) is refused here", HOST_MEMORY_MODES)
     hicache_ratio: float = opt(2.0, "host pool size as a multiple of the device pool (when --hicache-size is 0)")
     hicache_size: float = opt(0.0, "host pool size in GB per rank; overrides --hicache-ratio when > 0")
     hicache_write_policy: str = opt("write_through", "when a device prefix gets its host copy", _choices(WritePolicy))
@@ -99,6 +107,12 @@ class ServerArgs:
     hicache_storage_prefetch_policy: str = opt(DEFAULT_PREFETCH_POLICY.value,
                                                "when a request stops waiting for its L3 prefetch",
                                                _choices(PrefetchPolicy))
+    hicache_storage_prefetch_retry_poll_interval: int = opt(
+        8, "scheduling passes a queued request waits before its L3 existence check is re-issued when the check "
+        "found nothing while backups were still being written; 0: no such retries")
+    hicache_storage_prefetch_retry_max_attempts: int = opt(
+        8, "re-issued L3 existence checks per queued request; past it the request runs with what it has; "
+        "0: none")
     hicache_storage_backend_extra_config: str | None = opt(
         None, "backend options: a JSON object, or @path to a .json, .yaml, .yml or .toml file")
     hicache_storage_roots: str | None = opt(None, "directories (comma-separated, existing) under which a runtime "
@@ -145,6 +159,10 @@ class ServerArgs:
             ("schedule_conservativeness", 1.0 <= self.schedule_conservativeness <= 100.0, "in [1.0, 100.0]"),
             ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),
             ("hicache_ratio", self.hicache_size > 0 or self.hicache_ratio > 0, "> 0 when --hicache-size is 0"),
+            ("hicache_storage_prefetch_retry_poll_interval", self.hicache_storage_prefetch_retry_poll_interval >= 0,
+             "an integer >= 0"),
+            ("hicache_storage_prefetch_retry_max_attempts", self.hicache_storage_prefetch_retry_max_attempts >= 0,
+             "an integer >= 0"),
         ]
         for name, ok, allowed in checks:
             if not ok:
