@@ -78,7 +78,7 @@ def parse_completion(body: dict) -> OpenAIRequest:
     params = _sampling_params(req, req.max_tokens)
     gen = GenerateReqInput(text=text, input_ids=ids, sampling_params=params, stream=req.stream,
                            return_logprob=req.logprobs is not None, top_logprobs_num=req.logprobs or 0,
-                           rid=req.rid, **_bootstrap(req))
+                           rid=req.rid, priority=req.priority, **_bootstrap(req))
     return _finish(req, gen, req.logprobs is not None)
 
 
@@ -113,5 +113,6 @@ def parse_chat(body: dict, tokenizer) -> OpenAIRequest:
     params = _sampling_params(req, DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens)
     top = req.top_logprobs or 0
     gen = GenerateReqInput(input_ids=ids, sampling_params=params, stream=req.stream, return_logprob=req.logprobs,
-                           top_logprobs_num=top if req.logprobs else 0, rid=req.rid, **_bootstrap(req))
+                           top_logprobs_num=top if req.logprobs else 0, rid=req.rid, priority=req.priority,
+                           **_bootstrap(req))
     return _finish(req, gen, req.logprobs)

@@ -94,7 +94,6 @@ class _OpenAIBase(RequestModel):
         "extra_key": Unsupported("per-request cache namespaces are not implemented yet"),
         "cache_salt": Unsupported("per-request cache namespaces are not implemented yet"),
         "ngram_corpus_id": Unsupported("n-gram speculative decoding is not implemented"),
-        "priority": Unsupported("priority scheduling is not implemented"),
     }
 
     @property

@@ -17,7 +17,8 @@ from typing import Any, Optional, Union
 from sglang.srt.managers.request_schema import BadRequestError, RequestModel, Unsupported, parse_request
 from sglang.srt.sampling.sampling_params import TOP_LOGPROBS_MAX, SamplingParams
 
-__all__ = ["BadRequestError", "GenerateReqInput", "check_bootstrap_fields", "check_token_ids", "parse_sampling_params"]
+__all__ = ["BadRequestError", "GenerateReqInput", "check_bootstrap_fields", "check_priority", "check_token_ids",
+           "parse_sampling_params"]
 
 BATCH = "batch requests (a list of prompts) are not supported; send one prompt per request"
 _MM = "multimodal inputs are not supported (text-only models)"
@@ -47,6 +48,18 @@ def check_bootstrap_fields(host, port, room) -> None:
         raise BadRequestError(f"bootstrap_port must be in [1, 65535], got {port}")
     if room is not None and not 0 <= room < MAX_BOOTSTRAP_ROOM:
         raise BadRequestError(f"bootstrap_room must be in [0, 2**63), got {room}")
+
+
+def check_priority(priority) -> None:
+    """``priority`` (None or a signed 64-bit integer, as upstream): it orders eviction under
+    ``--radix-eviction-policy priority`` (a request's prefix is kept over lower ones'); it does
+    not reorder scheduling."""
+    if priority is None:
+        return
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise BadRequestError(f"priority must be an integer, got {type(priority).__name__}")
+    if not -(1 << 63) <= priority < (1 << 63):
+        raise BadRequestError(f"priority must be a signed 64-bit integer, got {priority}")
 
 
 def parse_sampling_params(params: dict) -> SamplingParams:
@@ -158,7 +171,6 @@ class GenerateReqInput(RequestModel):
         "background": Unsupported("background responses are not implemented"),
         "require_reasoning": Unsupported("reasoning controls are not implemented"),
         "max_thinking_tokens": Unsupported("reasoning controls are not implemented"),
-        "priority": Unsupported("priority scheduling is not implemented"),
         "extra_key": Unsupported("per-request cache namespaces are not implemented yet"),
         "cache_salt": Unsupported("per-request cache namespaces are not implemented yet"),
         "custom_labels": Unsupported("custom metric labels are not enabled"),
@@ -194,6 +206,7 @@ class GenerateReqInput(RequestModel):
                                   "prompt logprobs are not computed; use -1 (output tokens only)")
         self.logprob_start_len = -1 if self.logprob_start_len is None else self.logprob_start_len
         check_bootstrap_fields(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        check_priority(self.priority)
 
     def parsed_sampling_params(self) -> SamplingParams:
         return parse_sampling_params(self.sampling_params)

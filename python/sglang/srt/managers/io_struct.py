@@ -33,6 +33,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     seed: int | None = None  # noise seed; rank 0 draws one when sampling_seed is unset
+    priority: int | None = None  # eviction priority of the request's prefix (--radix-eviction-policy priority)
     # PD serving (set by sglang-router --pd-disaggregation; None on a normal server)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None

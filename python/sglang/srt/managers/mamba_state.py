@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, request_priority
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.radix.radix_key import RadixKey, common_prefix_len
@@ -192,7 +192,8 @@ class MambaStateSlots:
             buf[:, int(slot[0])] = buf[:, own]
         key = RadixKey(req.fill_ids, req.extra_key)
         # all present: adopts the state
-        self.tree.insert(InsertParams(key=key, value=req.prefix_indices, chunked=True, mamba_value=slot))
+        self.tree.insert(InsertParams(key=key, value=req.prefix_indices, chunked=True, mamba_value=slot,
+                                      priority=request_priority(req)))
         return node.mamba_value is not None
 
     # ---- finish --------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class Req:
         self.return_logprob = msg.return_logprob
         self.top_logprobs_num = msg.top_logprobs_num
         self.stream = msg.stream
+        self.priority = msg.priority or 0  # kept by the tree for the priority eviction policy
         self.extra_key: str | None = None
         stop_ids = set(msg.sampling_params.stop_token_ids)
         if not msg.sampling_params.ignore_eos:

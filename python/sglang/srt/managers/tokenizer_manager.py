@@ -167,7 +167,7 @@ class TokenizerManager:
         rid = obj.rid or uuid.uuid4().hex
         self._check_rid_free(rid)  # early answer; ``send`` is the atomic check
         return TokenizedGenerateReqInput(rid, ids, params, obj.return_logprob, obj.top_logprobs_num, obj.stream,
-                                         **self._bootstrap(obj))
+                                         priority=obj.priority, **self._bootstrap(obj))
 
     def _bootstrap(self, obj: GenerateReqInput) -> dict:
         """The PD bootstrap fields for the scheduler: none in null mode (ignored there, as upstream's

@@ -36,12 +36,20 @@ class InsertParams:
     ``value``: one device slot per token of ``key`` (``RadixCache.create_simulated`` trees
     also take None: the token ids stand in). ``mamba_value``: hybrid trees, the device Mamba
     slot holding the state after ``key``. ``chunked`` (ours): the insert of a chunked prefill,
-    which does not count as a hit towards write-through."""
+    which does not count as a hit towards write-through. ``priority``: the request's priority
+    (None: 0); every node on the path keeps the highest one inserted through it, which the
+    ``priority`` eviction policy evicts lowest first."""
 
     key: RadixKey | None = None
     value: torch.Tensor | None = None
     mamba_value: torch.Tensor | None = None
     chunked: bool = False
+    priority: int | None = 0
+
+
+def request_priority(req) -> int:
+    """The priority a request's inserts carry (0 for a request without one)."""
+    return getattr(req, "priority", None) or 0
 
 
 @dataclass

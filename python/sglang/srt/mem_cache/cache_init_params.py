@@ -7,7 +7,7 @@ builds one of these from them and reads them back from it.
 
 Field names are upstream's (``disable``, ``req_to_token_pool``, ``token_to_kv_pool_allocator``,
 ``page_size``, ``tp_cache_group``, ``attn_cp_cache_group``, ``attn_tp_cache_group``,
-``pp_cache_group``, ``eviction_policy``, ``enable_metrics``, ``enable_kv_cache_events``,
+``pp_cache_group``, ``eviction_policy``, ``eviction_policy_config``, ``enable_metrics``, ``enable_kv_cache_events``,
 ``pp_rank``/``pp_size``, ``attn_cp_rank``/``attn_cp_size``); ``tp_rank``/``tp_size`` are ours (upstream
 reads them from the group). A rank or size left None is read from its group (0 / 1 without one);
 one given beside its group must agree with it.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.mem_cache.evict_policy import EvictionPolicy
+from sglang.srt.mem_cache.evict_policy import EvictionPolicy, check_policy_config
 
 EVICTION_POLICIES = tuple(p.value for p in EvictionPolicy)
 
@@ -76,6 +76,7 @@ class CacheInitParams:
     attn_tp_cache_group: Any = None
     pp_cache_group: Any = None
     eviction_policy: str = "lru"
+    eviction_policy_config: dict[str, Any] | None = None
     enable_metrics: bool = False
     enable_kv_cache_events: bool = False
     pp_rank: int | None = None
@@ -88,7 +89,7 @@ class CacheInitParams:
     def __post_init__(self):
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        EvictionPolicy.parse(self.eviction_policy)
+        check_policy_config(EvictionPolicy.parse(self.eviction_policy), self.eviction_policy_config)
         for name, group_field in _GROUP_OF.items():
             self._settle_coordinate(name, group_field)
         check_parallel_coords(self)

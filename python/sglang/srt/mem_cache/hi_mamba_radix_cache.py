@@ -23,7 +23,14 @@ import logging
 import torch
 
 from sglang.srt.managers.cache_controller import L2Transfer, Tier
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, InsertResult, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchResult,
+    request_priority,
+)
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError, check_slot_partition
 from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.hiradix.mamba_storage import MambaStorageMixin
@@ -143,7 +150,8 @@ class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
             super().cache_finished_req(req, is_insert)
         else:
             start = len(req.prefix_indices)
-            prefix_len = self.insert(InsertParams(key=key, value=kv[:n], mamba_value=slot)).prefix_len
+            params = InsertParams(key=key, value=kv[:n], mamba_value=slot, priority=request_priority(req))
+            prefix_len = self.insert(params).prefix_len
             if prefix_len > start:
                 self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
             self._free_request_slots(kv[n:])

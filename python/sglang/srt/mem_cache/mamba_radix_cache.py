@@ -19,7 +19,14 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, InsertParams, InsertResult, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchResult,
+    request_priority,
+)
 from sglang.srt.mem_cache.radix.integrity import check_slot_partition
 from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.radix.tree_node import TreeNode, empty_indices
@@ -98,7 +105,8 @@ class MambaRadixCache(RadixCache):
             super().cache_finished_req(req, is_insert)
         else:
             start = len(req.prefix_indices)
-            prefix_len = self.insert(InsertParams(key=key, value=kv[:n], mamba_value=slot)).prefix_len
+            params = InsertParams(key=key, value=kv[:n], mamba_value=slot, priority=request_priority(req))
+            prefix_len = self.insert(params).prefix_len
             if prefix_len > start:
                 self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
             self._free_request_slots(kv[n:])

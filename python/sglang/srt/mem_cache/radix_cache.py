@@ -96,7 +96,7 @@ class RadixCache(RequestCacheMixin, BasePrefixCache):
         on = self.enable_kv_cache_events and not self.disable
         self.kv_events = KVCacheEventRecorder(self.page_size) if on else None
         self.eviction_policy = EvictionPolicy.parse(params.eviction_policy)
-        self._priority = eviction_priority(self.eviction_policy)
+        self._priority = eviction_priority(self.eviction_policy, params.eviction_policy_config)
         self._clock = 0
         self._new_root()
 
@@ -183,7 +183,8 @@ class RadixCache(RequestCacheMixin, BasePrefixCache):
         lower part keeps its id (acks refer to it) and its Mamba state (the state at its end)."""
         pages = split_len // self.page_size
         new = TreeNode(parent=child.parent, key=child.key[:split_len].copy())
-        for attr in ("lock_ref", "host_ref_counter", "hit_count", "access_count", "last_access_time"):
+        for attr in ("lock_ref", "host_ref_counter", "hit_count", "access_count", "last_access_time",
+                     "priority"):
             setattr(new, attr, getattr(child, attr))
         if child.value is not None:
             new.value, child.value = child.value[:split_len].clone(), child.value[split_len:].clone()
@@ -287,10 +288,11 @@ class RadixCache(RequestCacheMixin, BasePrefixCache):
         """
         if self.disable:
             return InsertResult(0)
-        return InsertResult(self._insert(*self._check_insert(params), params.chunked))
+        return InsertResult(self._insert(*self._check_insert(params), params.chunked, params.priority or 0))
 
-    def _insert(self, key: RadixKey, value: torch.Tensor, chunked: bool) -> int:
-        """``insert`` of checked whole pages; returns ``prefix_len``."""
+    def _insert(self, key: RadixKey, value: torch.Tensor, chunked: bool, priority: int = 0) -> int:
+        """``insert`` of checked whole pages; returns ``prefix_len``. Every node on the path
+        keeps the highest ``priority`` inserted through it."""
         node, pos, now, prefix_len, adopting = self.root_node, 0, self._tick(), 0, False
         touched: list[tuple[TreeNode, bool]] = []
         while pos < len(key):
@@ -300,6 +302,8 @@ class RadixCache(RequestCacheMixin, BasePrefixCache):
             n = len(child.key)
             child.last_access_time = now
             child.access_count += 1
+            if priority > child.priority:
+                child.priority = priority
             if child._value is None and self._insert_existing(child, value[pos : pos + n]):
                 adopting = True
             elif adopting:
@@ -309,7 +313,9 @@ class RadixCache(RequestCacheMixin, BasePrefixCache):
             touched.append((child, False))
             pos, node = pos + n, child
         if pos < len(key):
-            touched.append((self._add_leaf(node, key[pos:], value[pos:], now), True))
+            leaf = self._add_leaf(node, key[pos:], value[pos:], now)
+            leaf.priority = priority
+            touched.append((leaf, True))
         self._on_inserted(touched, chunked)
         return prefix_len
 

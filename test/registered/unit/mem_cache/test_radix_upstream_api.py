@@ -49,7 +49,7 @@ def test_records_in_and_out_with_exact_slots():
 
 def test_params_refuse_what_no_tree_reads():
     with pytest.raises(TypeError):
-        InsertParams(key=RadixKey([1]), value=torch.tensor([1]), priority=3)  # upstream-only field
+        InsertParams(key=RadixKey([1]), value=torch.tensor([1]), swa_evicted_seqlen=3)  # upstream-only field
     with pytest.raises(ValueError, match="num_tokens=-1"):
         EvictParams(num_tokens=-1)
     with pytest.raises(ValueError, match="mamba_num=-2"):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, request_priority
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
 
 
@@ -27,7 +27,8 @@ def insert_request_checkpoints(tree, req, key: RadixKey, is_insert: bool,
         if values is None:
             free_slot(slot)
             continue
-        tree.insert(InsertParams(key=key[:pos], value=values, chunked=True, mamba_value=slot))
+        tree.insert(InsertParams(key=key[:pos], value=values, chunked=True, mamba_value=slot,
+                                 priority=request_priority(req)))
 
 
 def _device_path(tree, key: RadixKey) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams, request_priority
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.radix.tree_node import RadixKey, empty_indices
 from sglang.srt.mem_cache.utils import as_cpu_index, check_page_aligned
@@ -52,7 +52,7 @@ class RequestCacheMixin:
         if self.disable or not is_insert:
             self._free_request_slots(kv[start:])
         else:
-            prefix_len = self.insert(InsertParams(key=key, value=kv[:n])).prefix_len
+            prefix_len = self.insert(InsertParams(key=key, value=kv[:n], priority=request_priority(req))).prefix_len
             if prefix_len > start:
                 self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
             self._free_request_slots(kv[n:])
@@ -71,7 +71,8 @@ class RequestCacheMixin:
             return
         key, kv, n = self._request_key_and_slots(req)
         start = len(req.prefix_indices)
-        prefix_len = self.insert(InsertParams(key=key, value=kv[:n], chunked=chunked)).prefix_len
+        params = InsertParams(key=key, value=kv[:n], chunked=chunked, priority=request_priority(req))
+        prefix_len = self.insert(params).prefix_len
         if prefix_len > start:
             self.token_to_kv_pool_allocator.free(kv[start:prefix_len])
         path, node, pos = [], self.root_node, 0

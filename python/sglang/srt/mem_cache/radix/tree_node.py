@@ -67,7 +67,7 @@ class TreeNode:
     # storage is the slot of the same name with a leading underscore.
     __slots__ = ("id", "parent", "_key", "children", "_value", "_host_value", "hash_value", "lock_ref",
                  "host_ref_counter", "hit_count", "access_count", "last_access_time", "device_children",
-                 "_mamba_value", "_mamba_host_value", "stamp")
+                 "_mamba_value", "_mamba_host_value", "stamp", "priority")
 
     key = _stamped("key")
     value = _stamped("value")
@@ -79,7 +79,8 @@ class TreeNode:
     # break eviction ties; every construction advances it, also one given an explicit ``id``.
     counter = 0
 
-    def __init__(self, id: int | None = None, *, parent: "TreeNode | None" = None, key: RadixKey | None = None):
+    def __init__(self, id: int | None = None, priority: int = 0, *, parent: "TreeNode | None" = None,
+                 key: RadixKey | None = None):
         self.id = TreeNode.counter if id is None else id
         TreeNode.counter += 1
         self.parent = parent
@@ -93,6 +94,8 @@ class TreeNode:
         self.hit_count = 0
         self.access_count = 0
         self.last_access_time = 0
+        # the highest request priority inserted through this node (--radix-eviction-policy priority)
+        self.priority = priority
         # HiRadixCache: how many children have a device copy (a device node with none is a
         # device leaf, an eviction candidate), kept up to date wherever a device copy comes or
         # goes, so that test reads no children (most of a popular prefix's may be host-only).
