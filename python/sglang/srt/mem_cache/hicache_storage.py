@@ -194,13 +194,20 @@ class HiCacheStorageConfig:
             object.__setattr__(self, "extra_config", {})
         if not isinstance(self.extra_config, dict):
             raise ValueError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
-        if not isinstance(self.namespace_salt, str):
-            raise ValueError(f"extra config key 'namespace_salt' must be a string, got {self.namespace_salt!r}")
+        for name in ("namespace_salt", "extra_backend_tag"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"extra config key {name!r} must be a string, got {getattr(self, name)!r}")
 
     @property
     def namespace_salt(self) -> str:
         """Extra config ``namespace_salt``: isolates deployments sharing one store."""
         return self.extra_config.get("namespace_salt", "")
+
+    @property
+    def extra_backend_tag(self) -> str:
+        """Extra config ``extra_backend_tag`` (upstream's tenant tag): a part of the storage
+        namespace, so servers with different tags never read each other's pages."""
+        return self.extra_config.get("extra_backend_tag", "")
 
     @property
     def is_storage_writer(self) -> bool:

@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-# Keys every backend accepts: consumed by the config (namespace_salt) or the factory (dynamic).
-COMMON_KEYS = ("namespace_salt", "backend_name", "module_path", "class_name")
+# Keys every backend accepts: consumed by the config (namespace_salt, extra_backend_tag: parts of
+# the storage namespace) or the factory (dynamic).
+COMMON_KEYS = ("namespace_salt", "extra_backend_tag", "backend_name", "module_path", "class_name")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -73,6 +73,7 @@ class StorageNamespace:
     cp: str
     object_format: str  # the backend's framing of a stored object (e.g. "nixl-seg/t4096")
     salt: str = ""
+    tag: str = ""  # extra_backend_tag (upstream's tenant tag); hashed only when set
     dp: int = 0  # attention data-parallel rank (upstream's dp_rank)
     pages_per_key: int = 1  # host pages one key covers (span mode: storage_page_size / page_size)
 
@@ -96,6 +97,7 @@ class StorageNamespace:
             cp=f"{config.attn_cp_rank}/{config.attn_cp_size}",
             object_format=object_format,
             salt=config.namespace_salt,
+            tag=getattr(config, "extra_backend_tag", ""),
             dp=config.dp_rank,
             pages_per_key=pages_per_key,
         )
@@ -105,7 +107,10 @@ class StorageNamespace:
         return ShardMode.REPLICATED if self.tp == "replicated" else ShardMode.SHARDED
 
     def digest(self) -> bytes:
-        blob = json.dumps({"v": KEY_SCHEME_VERSION, **asdict(self)}, sort_keys=True).encode("utf-8")
+        fields = asdict(self)
+        if not fields["tag"]:  # untagged namespaces keep the names they had before tags existed
+            del fields["tag"]
+        blob = json.dumps({"v": KEY_SCHEME_VERSION, **fields}, sort_keys=True).encode("utf-8")
         return hashlib.sha256(blob).digest()
 
 

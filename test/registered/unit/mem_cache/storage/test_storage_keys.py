@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import host_pool, page_keys, storage_config
+from conftest import host_pool, page_keys, slots, storage_config
 
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -107,3 +107,21 @@ def test_config_comes_from_cache_params_and_pool(mla):
         HiCacheStorageConfig.from_cache_params(params, mla, "", None)
     with pytest.raises(ValueError, match="tp_rank"):
         HiCacheStorageConfig(model_name="m", tp_rank=2, tp_size=2)
+
+
+def test_extra_backend_tag_is_a_tenant_namespace(mha, make_backend):
+    """Upstream's ``extra_backend_tag``: servers with different tags sharing one store never read
+    each other's pages; the same tag does; a non-string tag is refused naming the key."""
+    base = names(mha)
+    tagged = names(mha, extra={"extra_backend_tag": "tenant-a"})
+    assert tagged not in (base, names(mha, extra={"extra_backend_tag": "b"}))
+    assert names(mha, extra={"extra_backend_tag": ""}) == base  # no tag: the untagged names
+    host = host_pool(PoolKind.MHA, "page_first_direct")
+    keys = page_keys(3)
+    writer = make_backend("file", host, {"extra_backend_tag": "tenant-a"}, share="l3")
+    assert writer.batch_set_v1(keys, slots(host, 0, 3)) == [True] * 3
+    assert make_backend("file", host, {"extra_backend_tag": "tenant-b"}, share="l3").batch_exists(keys) == 0
+    assert make_backend("file", host, share="l3").batch_exists(keys) == 0
+    assert make_backend("file", host, {"extra_backend_tag": "tenant-a"}, share="l3").batch_exists(keys) == 3
+    with pytest.raises(ValueError, match="'extra_backend_tag' must be a string"):
+        storage_config(host, {"extra_backend_tag": 7})
