@@ -51,7 +51,7 @@ def test_metrics_and_meta_agree_on_tiers(hicache):
     def value(name: str, **labels) -> float:
         return samples[(name, tuple(sorted({"model_name": "tiny", **labels}.items())))]
 
-    assert value("sglang:cached_tokens_total", tier="host") == totals["host"]
+    assert value("sglang:cached_tokens_total", tier="host", cache_source="host") == totals["host"]
     assert value("sglang:cache_pool_capacity_tokens", tier="host") == 4096
     assert value("sglang:cache_pool_capacity_tokens", tier="device") == 512
     assert value("sglang:host_transfer_pages_total", direction="host_to_device") * 4 >= totals["host"]  # 4-token pages

@@ -10,6 +10,7 @@ import json
 
 import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from prometheus_client.parser import text_string_to_metric_families
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.server_utils import launch_server_process, run_launcher
@@ -18,6 +19,15 @@ register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 COMMON = ["--page-size", "4", "--context-length", "2048"]
 WORKLOAD = {"clients": 4, "rounds": 2}
+# upstream's HiCache names (docs/server.md, Metrics)
+UPSTREAM_HICACHE = (
+    "sglang:prefetched_tokens_total", "sglang:backuped_tokens_total", "sglang:storage_prefetch_hit_tokens_total",
+    "sglang:storage_prefetch_unfulfilled_tokens_total", "sglang:storage_prefetch_deferred_tokens_total",
+    "sglang:hicache_backup_duration_seconds_count", "sglang:hicache_backup_bytes_total",
+    "sglang:hicache_backup_tokens_total", "sglang:load_back_duration_seconds_count", "sglang:load_back_tokens_total",
+    "sglang:load_back_bytes_total", "sglang:hicache_host_used_tokens", "sglang:hicache_host_total_tokens",
+    "sglang:cached_tokens_total",
+)
 
 
 def storage_flags(backend: str, storage_dir: str) -> list[str]:
@@ -65,6 +75,16 @@ def test_file_storage_serves_after_flush(model, reference, tmp_path):
         assert totals["storage"] > 0, totals
         metrics = srv.get("/metrics").text
         assert "sglang:storage_operations_total" in metrics and 'tier="storage"' in metrics
+        samples = {}  # sample name -> sum over its series, per cache_source for cached tokens
+        for fam in text_string_to_metric_families(metrics):
+            for x in fam.samples:
+                name = x.name + (f"/{x.labels['cache_source']}" if "cache_source" in x.labels else "")
+                samples[name] = samples.get(name, 0) + x.value
+        missing = [n for n in UPSTREAM_HICACHE if n not in samples and n + "/storage" not in samples]
+        assert not missing, missing
+        assert samples["sglang:cached_tokens_total/storage"] >= totals["storage"]  # counted over both runs
+        assert samples["sglang:prefetched_tokens_total"] >= totals["storage"] > 0
+        assert samples["sglang:backuped_tokens_total"] > 0 and samples["sglang:load_back_tokens_total"] > 0
 
 
 def test_bad_backend_option_stops_startup_naming_the_flags(model, tmp_path):

@@ -22,7 +22,9 @@ backend from ``_generate_storage_config()`` (coordinates from ``self.params`` on
 prefetch, IO and backup threads of ``storage_controller.py`` (``self.storage``; the backend is
 ``self.storage_backend``). ``held_host_indices()`` reports host slots held by in-flight
 prefetches and by backups a bounded flush abandoned to the integrity check; ``get_stats()``
-gives per-tier counters; ``close()`` stops every thread and closes the backend.
+gives per-tier counters (pages and bytes as submitted), ``l2_metrics`` upstream's copy figures
+(slots per pool, bytes and durations of copies once done, ``metrics/hicache_metrics.py``);
+``close()`` stops every thread and closes the backend.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_
 from sglang.srt.mem_cache.controller.tier_counters import TierCounters
 from sglang.srt.mem_cache.hiradix.tp_agreement import TPAgreement
 from sglang.srt.mem_cache.controller.transfer_lane import make_lane
+from sglang.srt.metrics.hicache_metrics import BACKUP, LOAD_BACK, CopyTiming, L2TransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +188,7 @@ class HiCacheController:
         self.layer_num = self._transfer_layer_num(max(host.layer_num for host, _ in pairs))
         self.storage = None
         self.storage_backend = None
+        self.storage_backend_name: str | None = None  # the StorageBackendFactory name (a metric label)
         self.storage_config = None
         if storage_backend is not None:  # before any thread starts: a bad hookup leaks nothing
             self._attach_storage(storage_backend, prefetch_threshold, model_name, storage_backend_extra_config)
@@ -204,6 +208,9 @@ class HiCacheController:
         self.ack_write_queue: list[HiCacheAck] = []
         self.ack_load_queue: list[HiCacheAck] = []
         self.l2_counters = TierCounters("pages_written", "pages_loaded", "bytes_written", "bytes_loaded", "failures")
+        # upstream's hicache_backup_* / load_back_* figures, counted when each copy is done
+        self.l2_metrics = L2TransferMetrics()
+        self._cuda_lanes = torch.device(device).type == "cuda"
         self._slot_bytes_cache: dict[PoolName, int] = {}
         logger.info(
             "HiCacheController: pools %s, write_policy=%s, %d layers, lanes on %s, %s",
@@ -322,6 +329,7 @@ class HiCacheController:
         self.storage = StorageController(backend, self.page_size, settings, side,
                                          lambda pool, idx: self.free(Tier.HOST, pool, idx), state)
         self.storage_backend, self.storage_config = backend, config
+        self.storage_backend_name = storage_backend
         logger.info("HiCacheController: L3 backend %s, side pools %s, state pool %s, %s", storage_backend,
                     [p.value for p in side], state.value if state is not None else None, settings)
 
@@ -341,7 +349,7 @@ class HiCacheController:
         if self.storage is None:
             return False
         storage, self.storage = self.storage, None
-        self.storage_backend = self.storage_config = None
+        self.storage_backend = self.storage_config = self.storage_backend_name = None
         storage.close()
         logger.info("HiCacheController: L3 backend detached")
         return True
@@ -358,14 +366,18 @@ class HiCacheController:
             n = self._slot_bytes_cache[name] = sum(host.get_size_per_token() for host, _ in self._binding(name).pairs)
         return n
 
-    def _count_l2(self, transfers: list[L2Transfer], direction: str) -> None:
+    def _count_l2(self, transfers: list[L2Transfer], direction: str) -> tuple[dict[str, int], int]:
+        """Count submitted pages and bytes; returns (slots per pool name, bytes) of ``transfers``."""
         pages = bytes_moved = 0
+        slots_by_pool: dict[str, int] = {}
         for t in transfers:
             slots = t.host_indices.numel()
             if t.name is self.anchor_name:
                 pages += slots // self.page_size
             bytes_moved += slots * self._slot_bytes(t.name)
+            slots_by_pool[t.name.value] = slots_by_pool.get(t.name.value, 0) + slots
         self.l2_counters.add_pair(_L2_NAMES[direction], pages, bytes_moved)
+        return slots_by_pool, bytes_moved
 
     def _counted(self, job):
         def run():
@@ -386,13 +398,14 @@ class HiCacheController:
         waits."""
         finish = self.write_lane.new_event()
         op = CacheOperation(transfers, list(node_ids))
-        self._count_l2(op.transfers, "written")
+        timing = CopyTiming(self._cuda_lanes)
+        self.l2_metrics.submitted(BACKUP, finish, timing, *self._count_l2(op.transfers, "written"))
         if ack and self.defer_writes:
             self.ack_write_queue.append(HiCacheAck(None, finish, op.node_ids))
-            self.write_queue.append((op, finish))
+            self.write_queue.append((op, finish, timing))
             return finish
         self.start_writing()
-        self._submit_writes([(op, finish)])
+        self._submit_writes([(op, finish, timing)])
         if ack:
             self.ack_write_queue.append(HiCacheAck(None, finish, op.node_ids))
         return finish
@@ -405,14 +418,17 @@ class HiCacheController:
             self._submit_writes(batch)
         return len(batch)
 
-    def _submit_writes(self, batch: list[tuple[CacheOperation, object]]) -> None:
-        op = batch[0][0] if len(batch) == 1 else CacheOperation.merge_ops([o for o, _ in batch])
-        events = [ev for _, ev in batch]
+    def _submit_writes(self, batch: list[tuple[CacheOperation, object, CopyTiming]]) -> None:
+        op = batch[0][0] if len(batch) == 1 else CacheOperation.merge_ops([o for o, _, _ in batch])
+        events = [ev for _, ev, _ in batch]
+        timing = batch[0][2]  # one merged copy, timed once
 
         def job():
+            timing.start()
             for t in op.transfers:
                 for host, device in self._binding(t.name).pairs:
                     host.backup_from_device_all_layer(device, t.host_indices, t.device_indices, self.io_backend)
+            timing.stop()  # before the events: a done event means a finished timing
             for ev in events:
                 ev.record()
 
@@ -441,8 +457,11 @@ class HiCacheController:
         self.load_queue = []
         producer = self.layer_done_counter.update_producer()
         layer_events = self.layer_done_counter.events[producer]
+        # the layer events are reused three batches on; the metrics wait on an event of their own
+        timing, done = CopyTiming(self._cuda_lanes), self.load_lane.new_event()
 
         def job():
+            timing.start()
             for layer in range(self.layer_num):
                 for t in op.transfers:
                     for host, device in self._binding(t.name).pairs:
@@ -451,14 +470,17 @@ class HiCacheController:
                                 device, t.host_indices, t.device_indices, layer, self.io_backend
                             )
                 layer_events.complete(layer)
+            timing.stop()
+            done.record()
 
-        self._count_l2(op.transfers, "loaded")
+        moved = self._count_l2(op.transfers, "loaded")
         try:
-            self.load_lane.submit(self._counted(job), layer_events.load_events, short=True)
+            self.load_lane.submit(self._counted(job), [*layer_events.load_events, done], short=True)
         except BaseException as exc:  # never leave armed events that nobody will record
             for ev in layer_events.load_events:
                 ev.fail(exc)
             raise
+        self.l2_metrics.submitted(LOAD_BACK, done, timing, *moved)
         self.ack_load_queue.append(HiCacheAck(None, layer_events.finish_event, op.node_ids))
         if self.load_cache_event is not None:
             self.load_cache_event.set()

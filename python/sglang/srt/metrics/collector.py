@@ -5,6 +5,13 @@ private ``CollectorRegistry`` per server, and the scheduler's snapshot
 Names follow upstream sglang where upstream has the metric (``sglang:`` prefix, label
 ``model_name``, upstream's histogram buckets); ours add the cache tiers, host transfers and the
 storage backend's counters. Units: tokens unless the name says otherwise.
+
+Upstream's HiCache families (``_hicache_families``, from the snapshot's ``hicache`` section) carry
+upstream's names, types and label names: the radix cache labels (``cache_type``, ``tp_rank``,
+``pp_rank``, ``dp_rank``) on the device<->host figures, the storage labels (``storage_backend``,
+ranks and sizes) on the L3 ones, ``pool`` / ``reason`` / ``cache_source`` where upstream has them;
+``model_name`` is on every family here. ``sglang:cached_tokens_total`` is one family with both
+labels, ``tier`` (ours) and ``cache_source`` (upstream's), equal on each series.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import time
 from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["CONTENT_TYPE_LATEST", "RequestMetrics", "render_metrics"]
 
@@ -109,6 +117,17 @@ class _Families:
     def gauge(self, name: str, help: str, samples) -> None:
         self.add(GaugeMetricFamily, name, help, samples)
 
+    def histogram(self, name: str, help: str, labels: dict, hist: dict) -> None:
+        """One series from a ``DurationHistogram.snapshot()`` (per-bucket counts, +Inf last)."""
+        extra = sorted(labels)
+        family = HistogramMetricFamily(name, help, labels=LABELS + extra)
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(floatToGoString, hist["buckets"]), "+Inf"], hist["counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        family.add_metric([self.model_name] + [str(labels[k]) for k in extra], buckets, hist["sum"])
+        self.out.append(family)
+
 
 def _snapshot_families(snapshot: dict, requests: RequestMetrics) -> list:
     f, c, pools = _Families(requests.model_name), snapshot["counters"], snapshot["pools"]
@@ -116,8 +135,9 @@ def _snapshot_families(snapshot: dict, requests: RequestMetrics) -> list:
               [({}, c["prompt_tokens"])])
     f.counter("sglang:generation_tokens", "Number of generation tokens processed (finished requests).",
               [({}, c["generation_tokens"])])
-    f.counter("sglang:cached_tokens", "Prompt tokens served from a cache tier instead of computed.",
-              [({"tier": t}, n) for t, n in c["cached_tokens"].items()])
+    f.counter("sglang:cached_tokens", "Prompt tokens served from a cache tier instead of computed, counted at "
+              "admission; tier and cache_source (upstream's label) both name the tier.",
+              [({"tier": t, "cache_source": t}, n) for t, n in c["cached_tokens"].items()])
     f.counter("sglang:num_requests", "Requests finished by the scheduler.", [({}, c["num_requests"])])
     f.counter("sglang:num_aborted_requests", "Requests aborted (client gone or refused).", [({}, c["num_aborted"])])
     f.gauge("sglang:num_running_reqs", "The number of running requests.", [({}, snapshot["num_running_reqs"])])
@@ -138,7 +158,43 @@ def _snapshot_families(snapshot: dict, requests: RequestMetrics) -> list:
     f.gauge("sglang:cache_pool_used_tokens", "Token slots in use (cached prefixes and running requests).",
             [({"tier": t}, p["used_tokens"]) for t, p in pools.items()])
     _tier_families(f, snapshot)
+    _hicache_families(f, snapshot)
     return f.out
+
+
+def _hicache_families(f: _Families, snapshot: dict) -> None:
+    """Upstream's HiCache metric names (present with HiCache; the L3 ones with a backend)."""
+    host = snapshot["pools"].get("host")
+    if host is not None:
+        f.gauge("sglang:hicache_host_used_tokens", "Host KV pool token slots in use.", [({}, host["used_tokens"])])
+        f.gauge("sglang:hicache_host_total_tokens", "Host KV pool token slots.", [({}, host["capacity_tokens"])])
+    hicache = snapshot.get("hicache") or {}
+    if "l2" in hicache:
+        labels, l2 = hicache["labels"], hicache["l2"]
+        for direction, prefix, what in (("backup", "sglang:hicache_backup", "device to host"),
+                                        ("load_back", "sglang:load_back", "host to device")):
+            d = l2[direction]
+            f.histogram(f"{prefix}_duration_seconds", f"Seconds one merged {what} copy took, measured where it "
+                        "ran (copy loop on a worker lane, GPU stream span on CUDA).", labels, d["duration_seconds"])
+            f.counter(f"{prefix}_bytes_total", f"Bytes copied {what}, every pool of a copy, counted once done.",
+                      [(labels, d["bytes"])])
+            f.counter(f"{prefix}_tokens_total", f"Slots copied {what} per host pool, counted once done.",
+                      [({**labels, "pool": p}, n) for p, n in d["tokens_by_pool"].items()])
+    storage = hicache.get("storage")
+    if storage is None:
+        return
+    labels = storage["labels"]
+    f.counter("sglang:prefetched_tokens_total", "Tokens an L3 prefetch brought into host memory (agreed over "
+              "ranks), duplicates the tree had meanwhile included.", [(labels, storage["prefetched_tokens"])])
+    f.counter("sglang:backuped_tokens_total", "Tokens written from host memory to L3 (pages L3 already held "
+              "are not written again, not counted).", [(labels, storage["backuped_tokens"])])
+    f.counter("sglang:storage_prefetch_hit_tokens_total", "Tokens an L3 existence check found (agreed over "
+              "ranks), before host slots were reserved.", [(labels, storage["hit_tokens"])])
+    f.counter("sglang:storage_prefetch_unfulfilled_tokens_total", "Found L3 tokens that did not become a "
+              "usable prefetch, by reason (docs/server.md, Metrics).",
+              [({**labels, "reason": r}, n) for r, n in storage["unfulfilled_tokens"].items()])
+    f.counter("sglang:storage_prefetch_deferred_tokens_total", "Found L3 tokens left for a later retry, by "
+              "capacity reason.", [({**labels, "reason": r}, n) for r, n in storage["deferred_tokens"].items()])
 
 
 def _tier_families(f: _Families, snapshot: dict) -> None:
@@ -160,7 +216,7 @@ def _tier_families(f: _Families, snapshot: dict) -> None:
               [({"direction": "read"}, storage.get("bytes_read", 0)),
                ({"direction": "written"}, storage.get("bytes_written", 0))])
     for kind in ("prefetch", "backup"):
-        events = sorted(k for k in storage if k.startswith(kind + "_"))
+        events = sorted(k for k in storage if k.startswith(kind + "_") and "_tokens_" not in k)
         f.counter(f"sglang:storage_{kind}_events", f"L3 {kind} events of the HiCache controller.",
                   [({"event": k[len(kind) + 1:]}, storage[k]) for k in events])
 

@@ -57,7 +57,7 @@ def test_upstream_names_types_and_snapshot_values():
         assert types[name] == kind, name
     assert samples[key("sglang:prompt_tokens_total")] == 100
     assert samples[key("sglang:generation_tokens_total")] == 20
-    assert samples[key("sglang:cached_tokens_total", tier="host")] == 24
+    assert samples[key("sglang:cached_tokens_total", tier="host", cache_source="host")] == 24
     assert samples[key("sglang:num_queue_reqs")] == 5 == samples[key("sglang:num_waiting_reqs")]
     assert samples[key("sglang:num_used_tokens")] == 128
     assert samples[key("sglang:token_usage")] == 0.25

@@ -43,6 +43,14 @@ from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, ThreadLane
 
 logger = logging.getLogger(__name__)
 
+# upstream's reason labels; the ones our prefetch can reach are counted (storage_side.py,
+# schedule_policy.py), the rest stay 0 (buffer_only host memory, aux windows: not built here)
+PREFETCH_UNFULFILLED_REASONS = (
+    "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer", "deadline",
+    "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
+)
+PREFETCH_DEFERRED_REASONS = ("host_capacity", "device_capacity")
+
 COUNTERS = (
     "prefetch_ops",  # prefetches started (existence check queued)
     "prefetch_skipped",  # asked or found fewer tokens than prefetch_threshold
@@ -62,6 +70,10 @@ COUNTERS = (
     "backup_states_failed",
     "flush_abandoned_backups",  # backups a bounded flush stopped waiting for (slots quarantined)
     "controller_failures",  # backend calls that raised or returned a malformed result
+    # upstream's storage_prefetch_{unfulfilled,deferred}_tokens_total, one counter per reason
+    # (tokens of agreed storage hits that did not become a usable prefetch; see docs/server.md)
+    *(f"prefetch_unfulfilled_tokens_{r}" for r in PREFETCH_UNFULFILLED_REASONS),
+    *(f"prefetch_deferred_tokens_{r}" for r in PREFETCH_DEFERRED_REASONS),
 )
 
 
