@@ -126,13 +126,13 @@ def _multi_turn(url: str, ref_url: str, prompts: list[list[int]]) -> None:
 
 
 def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]],
-                  log_dir: str | None = None) -> None:
+                  log_dir: str | None = None, flags: tuple[str, ...] = ()) -> None:
     """Prefill (tp ``prefill_tp``) + decode (tp ``decode_tp``) + the PD router: single prompts and
     a 3-turn workload token-identical to the server at ``ref_url``; both PD servers settle with no
-    failure, no open room and a passed idle integrity check."""
+    failure, no open room and a passed idle integrity check. ``flags``: added to both servers."""
     (bootstrap_port,) = free_ports(1)
-    prefill, decode = launch_servers(model, [prefill_flags(bootstrap_port, "--tp-size", str(prefill_tp)),
-                                             decode_flags("--tp-size", str(decode_tp))], log_dir=log_dir)
+    prefill, decode = launch_servers(model, [prefill_flags(bootstrap_port, "--tp-size", str(prefill_tp), *flags),
+                                             decode_flags("--tp-size", str(decode_tp), *flags)], log_dir=log_dir)
     router = None
     try:
         router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=log_dir)

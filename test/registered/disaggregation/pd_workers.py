@@ -1,6 +1,7 @@
 """Rank processes for the multi-process PD transfer tests (imported by spawned children).
 
-Every rank owns real device pools (device="cpu"), a real NixlKVManager (own NIXL agent, UCX)
+Every rank owns real device pools (device="cpu"), a real KV manager of ``cfg["backend"]`` (default
+nixl: own NIXL agent, UCX; mooncake: own Mooncake transfer engine, TCP)
 and reports to the parent through a multiprocessing queue. Pool contents are a pure function of
 (component, layer, token position, GLOBAL head, element), so a decode rank can check the bytes
 of the heads it owns without knowing how prefill was split. Prefill ranks that must not write
@@ -172,7 +173,11 @@ def _wait(obj, states, deadline: float):
 
 def prefill_main(cfg: dict, tp_size: int, tp_rank: int, conn) -> None:
     from sglang.srt.disaggregation.base import DisaggregationMode, KVPoll
-    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer, NixlKVManager, NixlKVSender
+    from sglang.srt.disaggregation.utils import get_kv_class
+
+    backend = cfg.get("backend", "nixl")
+    NixlKVBootstrapServer, NixlKVManager, NixlKVSender = (get_kv_class(backend, k) for k in
+                                                          ("bootstrap_server", "manager", "sender"))
 
     logging.basicConfig(level=logging.WARNING)
     q = Parent(conn)
@@ -213,7 +218,10 @@ def prefill_main(cfg: dict, tp_size: int, tp_rank: int, conn) -> None:
 
 def decode_main(cfg: dict, tp_size: int, tp_rank: int, prefill_tp: int, conn) -> None:
     from sglang.srt.disaggregation.base import DisaggregationMode, KVPoll
-    from sglang.srt.disaggregation.nixl.conn import NixlKVManager, NixlKVReceiver
+    from sglang.srt.disaggregation.utils import get_kv_class
+
+    backend = cfg.get("backend", "nixl")
+    NixlKVManager, NixlKVReceiver = (get_kv_class(backend, k) for k in ("manager", "receiver"))
 
     logging.basicConfig(level=logging.WARNING)
     q = Parent(conn)

@@ -1,19 +1,19 @@
 """Decode server side of PD serving: pre-allocation queue -> transfer queue -> normal decoding.
 
 A request (carrying the router's ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``)
-gets a ``NixlKVReceiver`` for the prefill server at that address and waits in the
-pre-allocation queue until the receiver found its prefill ranks and device memory allows it:
-then it takes a request-table row and the pages of its whole prompt, reserves its decode pages
-the way ``PrefillAdder`` does (prompt + max_new_tokens - 1, so decoding never runs short), and
-hands the receiver the destination page ids and its aux row. In the transfer queue it is polled
-every step; once every TP rank saw the transfer complete, its first token is read from the aux
-row and it joins the running batch like a request that was just prefilled here. A failed or
-aborted transfer finishes the request aborted, with the reason, at once; its pages and row stay
-in **quarantine** for ``heartbeat_timeout_s`` before they are freed: prefill may already have
-posted a write into them, which NIXL cannot cancel, and a page reused by another request before
-that write lands would feed it foreign KV. Within that time a live prefill has seen the abort
-(and any posted write has landed: milliseconds), and a prefill whose heartbeats stopped is dead.
-Quarantined pages count as held (integrity check, reservations).
+gets a KV receiver of the transfer backend (``NixlKVReceiver`` / ``MooncakeKVReceiver``) for the
+prefill server at that address and waits in the pre-allocation queue until the receiver found its
+prefill ranks and device memory allows it: then it takes a request-table row and the pages of its
+whole prompt, reserves its decode pages the way ``PrefillAdder`` does (prompt + max_new_tokens -
+1, so decoding never runs short), and hands the receiver the destination page ids and its aux row.
+In the transfer queue it is polled every step; once every TP rank saw the transfer complete, its
+first token is read from the aux row and it joins the running batch like a request that was just
+prefilled here. A failed or aborted transfer finishes the request aborted, with the reason, at
+once; its pages and row stay in **quarantine** for ``heartbeat_timeout_s`` before they are freed:
+prefill may already have posted a write into them, which NIXL cannot cancel, and a page reused by
+another request before that write lands would feed it foreign KV. Within that time a live prefill
+has seen the abort (and any posted write has landed: milliseconds), and a prefill whose heartbeats
+stopped is dead. Quarantined pages count as held (integrity check, reservations).
 
 Decode-side prefix caching is not done: every prompt's KV comes from prefill (finished
 requests still give their KV to this server's tree, which only evicts it).
@@ -27,7 +27,7 @@ import time
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
 from sglang.srt.disaggregation.common.trust import BootstrapAddr
-from sglang.srt.disaggregation.utils import agreed_polls, page_ids_of
+from sglang.srt.disaggregation.utils import agreed_polls, get_kv_class, page_ids_of
 from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
 from sglang.srt.managers.schedule_batch import FinishReason, Req, num_pages
 from sglang.srt.mem_cache.radix.tree_node import empty_indices
@@ -50,8 +50,7 @@ class DecodeDisagg(DisaggBase):
 
     # ---- scheduler interface -------------------------------------------------------------------
     def add_request(self, req: Req, msg) -> bool:
-        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
-
+        receiver_cls = get_kv_class(self.backend, "receiver")
         if msg.bootstrap_room is None or msg.bootstrap_host is None or msg.bootstrap_port is None:
             req.finish(FinishReason.ABORT, message="a decode server needs bootstrap_host, bootstrap_port and "
                                                    "bootstrap_room (send requests through the PD router)")
@@ -59,7 +58,7 @@ class DecodeDisagg(DisaggBase):
             return True
         try:  # the address is validated and checked against the trust policy before any lookup
             addr = BootstrapAddr(msg.bootstrap_host, msg.bootstrap_port)
-            receiver = NixlKVReceiver(self.mgr, addr, msg.bootstrap_room)
+            receiver = receiver_cls(self.mgr, addr, msg.bootstrap_room)
         except ValueError as exc:  # malformed, untrusted, or the room already has a receiver here
             req.finish(FinishReason.ABORT, message=str(exc))
             self.sched._finish(req)

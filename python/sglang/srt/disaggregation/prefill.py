@@ -1,14 +1,15 @@
 """Prefill server side of PD serving: bootstrap queue -> normal prefill -> KV send -> release.
 
-A request (carrying the router's ``bootstrap_room``) gets a ``NixlKVSender`` and waits in the
-bootstrap queue until its decode peer has handed over its destination pages (every TP rank
-agrees, see ``agreed_polls``). It then joins the scheduler's waiting queue and is prefilled like
-any request, prefix reuse included (device tree, HiCache host and L3 hits), with at most one
-output token: the first token, which decode needs. When the scheduler finishes it, the
-request's first token goes into its aux row, its prompt pages are sent, and it stays in the
-inflight queue holding those pages (its own pages and its locked prefix) until the transfer
-ended; then the scheduler finishes it for real (its KV goes to the tree) and the prefill
-response is sent. A failed transfer finishes it aborted, with the reason, and no tokens.
+A request (carrying the router's ``bootstrap_room``) gets a KV sender of the transfer backend
+(``NixlKVSender`` / ``MooncakeKVSender``) and waits in the bootstrap queue until its decode peer
+has handed over its destination pages (every TP rank agrees, see ``agreed_polls``). It then joins
+the scheduler's waiting queue and is prefilled like any request, prefix reuse included (device
+tree, HiCache host and L3 hits), with at most one output token: the first token, which decode
+needs. When the scheduler finishes it, the request's first token goes into its aux row, its prompt
+pages are sent, and it stays in the inflight queue holding those pages (its own pages and its
+locked prefix) until the transfer ended; then the scheduler finishes it for real (its KV goes to
+the tree) and the prefill response is sent. A failed transfer finishes it aborted, with the
+reason, and no tokens.
 
 Rank 0 hosts the bootstrap server on ``--disaggregation-bootstrap-port``.
 """
@@ -20,7 +21,7 @@ import logging
 
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
-from sglang.srt.disaggregation.utils import advertised_host, agreed_polls, page_ids_of, pd_secret
+from sglang.srt.disaggregation.utils import advertised_host, agreed_polls, get_kv_class, page_ids_of, pd_secret
 from sglang.srt.managers.schedule_batch import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,9 @@ class PrefillDisagg(DisaggBase):
         port = args.disaggregation_bootstrap_port
         self.bootstrap_server = None
         if scheduler.runner.tp_rank == 0:
-            from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
-
+            server_cls = get_kv_class(args.disaggregation_transfer_backend, "bootstrap_server")
             try:
-                self.bootstrap_server = NixlKVBootstrapServer(host=args.host, port=port, secret=pd_secret())
+                self.bootstrap_server = server_cls(host=args.host, port=port, secret=pd_secret())
             except OSError as exc:
                 raise ValueError(f"--disaggregation-bootstrap-port {port}: cannot listen on {args.host}:{port} "
                                  f"({exc.strerror or exc})") from None
@@ -55,8 +55,7 @@ class PrefillDisagg(DisaggBase):
 
     # ---- scheduler interface -------------------------------------------------------------------
     def add_request(self, req: Req, msg) -> bool:
-        from sglang.srt.disaggregation.nixl.conn import NixlKVSender
-
+        sender_cls = get_kv_class(self.backend, "sender")
         room = msg.bootstrap_room
         if room is None:
             return self._refuse(req, "a prefill server needs bootstrap_room (send requests through the PD router)")
@@ -66,7 +65,7 @@ class PrefillDisagg(DisaggBase):
         params = req.sampling_params
         req.sampling_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 1))
         self.rooms[req.rid] = room
-        self.bootstrap.append((req, NixlKVSender(self.mgr, self.bootstrap_addr, room)))
+        self.bootstrap.append((req, sender_cls(self.mgr, self.bootstrap_addr, room)))
         return True
 
     def step(self) -> None:

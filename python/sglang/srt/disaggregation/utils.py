@@ -3,7 +3,8 @@
 ``FirstTokenAux``: the aux buffers that carry a request's first output token (id, logprob, top
 logprobs) from prefill to decode, one row per request-table row. ``build_kv_args``: the
 ``KVArgs`` of one rank from its model runner's device pool. ``transfer_config``: timeouts and
-the NIXL backend from upstream's environment variables. ``agreed_polls``: every TP rank of a server sees the same
+the NIXL / Mooncake settings from upstream's environment variables. ``get_kv_class``: a transfer
+backend's manager, sender, receiver and bootstrap server. ``agreed_polls``: every TP rank of a server sees the same
 transfer state before acting on it (a MIN all-reduce over the gloo group: Failed < Bootstrapping
 < WaitingForInput < Transferring < Success).
 """
@@ -31,6 +32,29 @@ ENV_WAITING_TIMEOUT = "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"
 ENV_HEARTBEAT_INTERVAL = "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"
 ENV_HEARTBEAT_MAX_FAILURE = "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"
 ENV_CLAIM_TIMEOUT = "SGLANG_DISAGGREGATION_CLAIM_TIMEOUT"  # ours: see TransferConfig.claim_timeout_s
+ENV_MOONCAKE_PROTOCOL = "MOONCAKE_PROTOCOL"  # upstream's: the Mooncake transport's protocol
+
+TRANSFER_BACKENDS = ("nixl", "mooncake")
+_KV_CLASSES = {
+    "nixl": "sglang.srt.disaggregation.nixl.conn",
+    "mooncake": "sglang.srt.disaggregation.mooncake.conn",
+}
+_KV_CLASS_KINDS = ("manager", "sender", "receiver", "bootstrap_server")
+
+
+def get_kv_class(backend: str, kind: str):
+    """The ``kind`` class ("manager", "sender", "receiver", "bootstrap_server") of transfer
+    backend ``backend`` (upstream's name for this lookup); imported on first use."""
+    import importlib
+
+    if backend not in _KV_CLASSES:
+        raise ValueError(f"unknown PD transfer backend {backend!r}; choose one of {list(_KV_CLASSES)}")
+    if kind not in _KV_CLASS_KINDS:
+        raise ValueError(f"unknown PD class kind {kind!r}; choose one of {list(_KV_CLASS_KINDS)}")
+    prefix = {"nixl": "Nixl", "mooncake": "Mooncake"}[backend]
+    name = prefix + {"manager": "KVManager", "sender": "KVSender", "receiver": "KVReceiver",
+                     "bootstrap_server": "KVBootstrapServer"}[kind]
+    return getattr(importlib.import_module(_KV_CLASSES[backend]), name)
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -62,14 +86,16 @@ def allowed_bootstrap_hosts(host: str, secret: bytes | None) -> tuple[str, ...]:
     return LOOPBACK_HOSTS + own
 
 
-def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
+def transfer_config(host: str, bootstrap_addr: str | None, ib_device: str | None = None) -> TransferConfig:
     """TransferConfig of one rank. Timeouts: ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (a
     request waits this long for its peer; default 300), ``..._WAITING_TIMEOUT`` (for its KV once
     both sides met; 300), ``..._HEARTBEAT_INTERVAL`` (1) x ``..._HEARTBEAT_MAX_FAILURE`` (5):
     a peer silent that long is dead and its requests fail; ``..._CLAIM_TIMEOUT`` (2): prefill
     fails a room no decode server claimed in that time. NIXL: ``SGLANG_DISAGGREGATION_NIXL_BACKEND``
     (the plugin, default UCX) and ``..._NIXL_BACKEND_PARAMS`` (a JSON object of strings, default {}).
-    Trust: ``SGLANG_DISAGGREGATION_SECRET`` and ``..._BOOTSTRAP_ALLOWED_HOSTS`` (``common/trust.py``)."""
+    Trust: ``SGLANG_DISAGGREGATION_SECRET`` and ``..._BOOTSTRAP_ALLOWED_HOSTS`` (``common/trust.py``).
+    Mooncake: ``MOONCAKE_PROTOCOL`` (default rdma on a host with an RDMA device, else tcp) and
+    ``ib_device`` (``--disaggregation-ib-device``)."""
     interval = _env_seconds(ENV_HEARTBEAT_INTERVAL, 1.0)
     failures = _env_seconds(ENV_HEARTBEAT_MAX_FAILURE, 5.0)
     secret = pd_secret()
@@ -81,6 +107,7 @@ def transfer_config(host: str, bootstrap_addr: str | None) -> TransferConfig:
         nixl_backend=os.environ.get(ENV_NIXL_BACKEND) or "UCX",
         nixl_backend_params=parse_nixl_backend_params(os.environ.get(ENV_NIXL_BACKEND_PARAMS) or "{}"),
         claim_timeout_s=_env_seconds(ENV_CLAIM_TIMEOUT, 2.0),
+        mooncake_protocol=os.environ.get(ENV_MOONCAKE_PROTOCOL) or "", mooncake_device=ib_device or "",
         secret=secret, allowed_bootstrap_hosts=allowed_bootstrap_hosts(host, secret),
     )
 

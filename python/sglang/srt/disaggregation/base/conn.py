@@ -201,6 +201,10 @@ class TransferConfig:
     live decode server claims its room as soon as the request reaches it, before it waits for
     memory; the router sends both halves at once, so an unclaimed room means its decode server
     is down and nobody will ever serve it). Capped by ``bootstrap_timeout_s``.
+    ``mooncake_protocol`` / ``mooncake_device``: the Mooncake transport's protocol ("tcp",
+    "rdma", ...; "" picks rdma when the host has an RDMA device, else tcp; upstream's
+    ``MOONCAKE_PROTOCOL``) and RDMA device names (upstream's ``--disaggregation-ib-device``; ""
+    lets Mooncake choose); only ``mooncake/transport.py`` reads them.
     ``secret`` (the deployment's shared secret, never printed) and ``allowed_bootstrap_hosts``
     (names, IPs, CIDR networks): whom this rank trusts, see ``common/trust.py``.
     """
@@ -218,6 +222,8 @@ class TransferConfig:
     nixl_backend: str = "UCX"
     nixl_backend_params: dict[str, str] = field(default_factory=dict)
     claim_timeout_s: float = 2.0
+    mooncake_protocol: str = ""
+    mooncake_device: str = ""
     secret: bytes | None = field(default=None, repr=False)
     allowed_bootstrap_hosts: tuple[str, ...] = LOOPBACK_HOSTS
 

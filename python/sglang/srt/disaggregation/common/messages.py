@@ -36,6 +36,7 @@ class MsgKind(str, Enum):
     REJECT = "reject"  # prefill -> decode: registration (room -1) or request refused
     ABORT = "abort"  # either way: the room failed or was aborted on the sender's side
     HEARTBEAT = "heartbeat"  # either way, every heartbeat interval
+    NOTIF = "notif"  # prefill -> decode: a notification tag, for transports without their own (Mooncake)
 
 
 _COMMON = {"agent_name": str}
@@ -44,7 +45,7 @@ _SCHEMA: dict[MsgKind, tuple[dict[str, type], int]] = {
         {"ip": str, "port": int, "engine_rank": int, "tp_rank": int, "peer": dict, "kv_ptrs": list,
          "kv_lens": list, "aux_ptrs": list, "aux_lens": list, "state_ptrs": list, "state_lens": list,
          "staging_ptr": int, "staging_len": int},
-        1,  # NIXL agent metadata
+        1,  # transport metadata (NIXL agent metadata, Mooncake session)
     ),
     MsgKind.REQUEST: (
         {"room": int, "engine_rank": int, "tp_rank": int, "required_dst_info_num": int, "send_kv": bool,
@@ -55,6 +56,7 @@ _SCHEMA: dict[MsgKind, tuple[dict[str, type], int]] = {
     MsgKind.REJECT: ({"room": int, "reason": str}, 0),
     MsgKind.ABORT: ({"room": int, "reason": str}, 0),
     MsgKind.HEARTBEAT: ({"ip": str, "port": int}, 0),
+    MsgKind.NOTIF: ({"tag": str}, 0),
 }
 _INT_LISTS = ("kv_ptrs", "kv_lens", "aux_ptrs", "aux_lens", "state_ptrs", "state_lens")
 

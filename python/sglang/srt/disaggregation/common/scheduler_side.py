@@ -1,5 +1,5 @@
 """DisaggBase: what the prefill and decode modes share on the scheduler side (the first-token
-aux buffers, the rank's NixlKVManager, transfer counters, failing a request).
+aux buffers, the rank's KV manager of the chosen transfer backend, transfer counters, failing a request).
 
 The scheduler-facing interface both modes implement is described in ``scheduler_glue.py``.
 """
@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.disaggregation.utils import FirstTokenAux, advertised_host, build_kv_args, transfer_config
+from sglang.srt.disaggregation.utils import (
+    FirstTokenAux,
+    advertised_host,
+    build_kv_args,
+    get_kv_class,
+    transfer_config,
+)
 from sglang.srt.managers.schedule_batch import FinishReason, Req
 
 logger = logging.getLogger(__name__)
 
 
 class DisaggBase:
-    """The parts both modes share: the aux buffers, the rank's NixlKVManager, bookkeeping."""
+    """The parts both modes share: the aux buffers, the rank's KV manager, bookkeeping."""
 
     mode = "null"
 
     def __init__(self, scheduler, bootstrap_addr: str | None):
         from sglang.srt.disaggregation.base.conn import DisaggregationMode
-        from sglang.srt.disaggregation.nixl.conn import NixlKVManager
 
         self.sched = scheduler
         self.runner = scheduler.runner
@@ -30,8 +35,10 @@ class DisaggBase:
         self.aux = FirstTokenAux(self.runner.req_to_token_pool.size)
         self.kv_args = build_kv_args(self.runner, self.aux)
         self.host = advertised_host(args.host)
-        self.mgr = NixlKVManager(self.kv_args, DisaggregationMode(self.mode),
-                                 transfer_config(self.host, bootstrap_addr))
+        self.backend = args.disaggregation_transfer_backend
+        manager_cls = get_kv_class(self.backend, "manager")
+        self.mgr = manager_cls(self.kv_args, DisaggregationMode(self.mode),
+                               transfer_config(self.host, bootstrap_addr, args.disaggregation_ib_device))
         self.num_transferred = 0
         self.num_failed = 0
 

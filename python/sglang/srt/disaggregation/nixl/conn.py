@@ -56,7 +56,7 @@ class NixlKVBootstrapServer(CommonKVBootstrapServer):
 
 def _check_mode(mgr: NixlKVManager, mode: DisaggregationMode, who: str) -> None:
     if mgr.mode is not mode:
-        raise ValueError(f"{who} needs a {mode.value} NixlKVManager, got a {mgr.mode.value} one")
+        raise ValueError(f"{who} needs a {mode.value} {type(mgr).__name__}, got a {mgr.mode.value} one")
 
 
 class _RoomEnd:

@@ -1,6 +1,6 @@
 """Decode half of NixlKVManager: bootstrap lookup, registration, claims, requests, notifications.
 
-Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control``, ``args``, ``trust`` and
+Mixed into ``PDKVManager``; uses its ``_lock``, ``transport``, ``control``, ``args``, ``trust`` and
 ``lookups``. Mutates ``self.decode_rooms``, ``self.registered_prefill``, ``self.bootstrap_cache``
 and ``self.staging_quarantine``.
 
@@ -80,7 +80,7 @@ class DecodeSideMixin:
             if name in self.registered_prefill:
                 return
             self.registered_prefill[name] = record["engine_rank"]
-            metadata = self.agent.get_agent_metadata()
+            metadata = self.transport.local_metadata()
         a = self.args
         header = {"ip": self.config.host, "port": self.control.port, "engine_rank": a.engine_rank, "tp_rank": a.tp_rank,
                   "peer": self.peer_info.to_json(), "kv_ptrs": a.kv_data_ptrs, "kv_lens": a.kv_data_lens,
@@ -234,10 +234,10 @@ class DecodeSideMixin:
         st.scattered_pages += notif.num_pages
 
     def drain_notifs(self) -> None:
-        """File every new NIXL notification into its room; bad or unknown ones are logged and dropped."""
+        """File every new transport notification into its room; bad or unknown ones are logged and dropped."""
         with self._lock:
             try:
-                notifs = self.agent.get_new_notifs()
+                notifs = self.transport.drain_notifs()
             except Exception as exc:
                 logger.error("%s: reading notifications failed: %s", self.agent_name, exc)
                 return
@@ -329,6 +329,12 @@ class DecodeSideMixin:
                 rooms = [self.decode_rooms[room_id]] if room_id in self.decode_rooms else []
             for room in rooms:
                 self._fail_decode_room(room, f"prefill {name} refused: {reason}")
+
+    def _handle_notif(self, msg: Message) -> None:
+        """A notification that came as a control message (transports without their own, e.g.
+        Mooncake: sent after the WRITE it names completed)."""
+        with self._lock:
+            self._file_notif(msg.header["agent_name"], msg.header["tag"].encode())
 
     def _handle_decode_abort(self, msg: Message) -> None:
         with self._lock:

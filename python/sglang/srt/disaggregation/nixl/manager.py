@@ -1,13 +1,16 @@
-"""NixlKVManager: one rank's NIXL agent, control channel and room bookkeeping.
+"""PDKVManager: one rank's transport, control channel and room bookkeeping; NixlKVManager is
+it over NIXL (``nixl/transport.py``), MooncakeKVManager (``mooncake/conn.py``) over Mooncake's
+transfer engine. Only ``_make_transport`` differs: every byte moves through ``self.transport``
+(``base/transport.py``).
 
 Prefill: registers with the bootstrap server, accepts decode REGISTER / REQUEST messages, and
-writes KV with NIXL WRITE + a notification tag (``send_kvcache`` / ``post_pieces`` and the routes
+writes KV with a transport WRITE + a notification tag (``send_kvcache`` / ``post_pieces`` and the routes
 in ``kv_routes.py``, staged gathers on ``copy_thread``; ``send_state``, ``send_aux`` here).
 Decode: resolves prefill ranks through the bootstrap server, registers its buffers with each,
 files arriving notifications into per-room ``TransferStatus`` and scatters staged KV chunks as
 they land. Either side fails every room of a
 peer that stops heartbeating, and tells the other side (ABORT) when a room fails locally. All
-room state is guarded by ``self._lock``; NIXL agent calls happen under it too.
+room state is guarded by ``self._lock``; transport calls happen under it too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferError,
     TransferConfig,
 )
+from sglang.srt.disaggregation.base.transport import KVTransport
 from sglang.srt.disaggregation.common.bootstrap_client import BootstrapClient
 from sglang.srt.disaggregation.common.bootstrap_lookup import AddrLookups
 from sglang.srt.disaggregation.common.compat import PeerInfo
@@ -37,17 +41,18 @@ from sglang.srt.disaggregation.common.descriptors import Descs, row_descs, state
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif
 from sglang.srt.disaggregation.common.staging import PoolBuffers, SliceCopier, SliceLayout, StagingArea
 from sglang.srt.disaggregation.common.trust import BootstrapAddr, TrustPolicy
-from sglang.srt.disaggregation.nixl.agent import create_pd_agent
 from sglang.srt.disaggregation.nixl.decode_side import DecodeSideMixin
 from sglang.srt.disaggregation.nixl.kv_routes import KVRoute, KVRoutesMixin
 from sglang.srt.disaggregation.nixl.prefill_side import PrefillSideMixin
 from sglang.srt.disaggregation.nixl.status import DecodeRoom, DstInfo, PrefillRoom, Transfer
+from sglang.srt.disaggregation.nixl.transport import NixlTransport
 
 logger = logging.getLogger(__name__)
 
 
-class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVManager):
-    """Construct one per rank. Prefill needs ``config.bootstrap_addr``; it blocks until the
+class PDKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVManager):
+    """The transport-independent manager; subclasses name the transport (``_make_transport``).
+    Construct one per rank. Prefill needs ``config.bootstrap_addr``; it blocks until the
     bootstrap server accepted this rank (IncompatiblePeerError when refused, KVTransferError when
     unreachable within ``bootstrap_timeout_s``). ValueError when ``config``'s trust settings are
     inconsistent (an allow-list off loopback without a secret)."""
@@ -55,12 +60,12 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
     def __init__(self, args: KVArgs, mode: DisaggregationMode, config: TransferConfig = TransferConfig()):
         self.args, self.mode, self.config = args, DisaggregationMode(mode), config
         if self.mode is DisaggregationMode.PREFILL and not config.bootstrap_addr:
-            raise ValueError("prefill NixlKVManager needs TransferConfig.bootstrap_addr ('host:port')")
+            raise ValueError(f"prefill {type(self).__name__} needs TransferConfig.bootstrap_addr ('host:port')")
         self.trust = TrustPolicy(config.allowed_bootstrap_hosts, config.secret)
         self.peer_info = PeerInfo.from_kv_args(args)
         self.agent_name = f"{self.mode.value}-{args.engine_rank}-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
-        self.agent = create_pd_agent(self.agent_name, config)
+        self.transport: KVTransport = self._make_transport()
         self.pool = PoolBuffers(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         self._copiers: dict[SliceLayout, SliceCopier] = {}
         # Prefill gathers the next staged piece here while the current one is on the wire.
@@ -71,12 +76,9 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         self.lookups = AddrLookups(self.resolve_targets, self._lookup_done, name=f"{self.agent_name}-lookup")
         self.staging = StagingArea(config.staging_bytes) if config.staging_bytes and not args.is_mla else None
         staging_region = [(self.staging.ptr, self.staging.nbytes)] if self.staging else []
-        regions = [
-            (int(p), int(n), 0, "")
-            for p, n in [*zip(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
-                              args.kv_data_lens + args.aux_data_lens + args.state_data_lens), *staging_region]
-        ]
-        self._reg_descs = self.agent.register_memory(regions, "DRAM")
+        regions = [*zip(args.kv_data_ptrs + args.aux_data_ptrs + args.state_data_ptrs,
+                        args.kv_data_lens + args.aux_data_lens + args.state_data_lens), *staging_region]
+        self.transport.register_memory([(int(p), int(n)) for p, n in regions])
         self.prefill_rooms: dict[int, PrefillRoom] = {}
         self.failed_rooms: OrderedDict[int, str] = OrderedDict()  # prefill side: tombstones
         self.decode_rooms: dict[int, DecodeRoom] = {}
@@ -91,8 +93,12 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         )
         if self.mode is DisaggregationMode.PREFILL:
             self._register_with_bootstrap()
-        logger.info("NixlKVManager %s: %d KV, %d aux, %d state buffers; control port %d", self.agent_name,
+        logger.info("%s %s: %d KV, %d aux, %d state buffers; control port %d", type(self).__name__, self.agent_name,
                     len(args.kv_data_ptrs), len(args.aux_data_ptrs), len(args.state_data_ptrs), self.control.port)
+
+    def _make_transport(self) -> KVTransport:
+        """This rank's transport, named ``self.agent_name`` (``self.config`` and ``self.args`` set)."""
+        raise NotImplementedError
 
     # ---- control messages -------------------------------------------------------------------
 
@@ -104,6 +110,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
             (DisaggregationMode.PREFILL, MsgKind.ABORT): self._handle_prefill_abort,
             (DisaggregationMode.DECODE, MsgKind.REJECT): self._handle_reject,
             (DisaggregationMode.DECODE, MsgKind.ABORT): self._handle_decode_abort,
+            (DisaggregationMode.DECODE, MsgKind.NOTIF): self._handle_notif,
         }.get((self.mode, msg.kind))
         if handler is None:
             logger.warning("%s dropped %s from %s: not expected on this side", self.agent_name, msg.kind.value,
@@ -114,7 +121,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
     def _progress(self) -> None:
         """Background progress on every heartbeat tick, for when the scheduler is not polling:
         decode drains (and files) notifications; prefill checks its in-flight handles and
-        progresses its UCX worker, which a bare notification (no handle) needs to go out."""
+        progresses its transport (NIXL: the UCX worker, which a bare notification needs to go out)."""
         if self.mode is DisaggregationMode.DECODE:
             self.drain_notifs()
             with self._lock:
@@ -125,9 +132,10 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
                 for transfer in room.handles:
                     self.check(transfer)
             try:
-                stray = self.agent.get_new_notifs()  # prefill expects none; reading progresses UCX
+                stray = self.transport.drain_notifs()  # prefill expects none; reading progresses UCX
             except Exception as exc:
-                logger.warning("%s: progressing the NIXL agent failed: %s", self.agent_name, exc)
+                logger.warning("%s: progressing the %s transport failed: %s", self.agent_name,
+                               self.transport.backend, exc)
                 return
             if stray:
                 logger.debug("%s dropped notifications it does not expect: %s", self.agent_name, stray)
@@ -150,22 +158,17 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
             try:
                 if len(descs) == 0:
                     if notif is not None:
-                        self.agent.send_notif(remote, tag)
+                        self.transport.send_notif(remote, tag)
                     self._free_staging(staging)
                     return None
-                src = self.agent.get_xfer_descs(descs.src, "DRAM")
-                dst = self.agent.get_xfer_descs(descs.dst, "DRAM")
-                handle = self.agent.initialize_xfer("WRITE", src, dst, remote, tag)
-            except Exception as exc:  # the binding raises bare nixl errors
+                handle = self.transport.post_write(remote, descs, tag)
+            except KVTransferError:
                 self._free_staging(staging)
-                raise KVTransferError(f"NIXL could not start {tag!r} to {remote}: {exc!r}") from exc
-            try:
-                state = self.agent.transfer(handle)
-            except Exception as exc:  # e.g. nixlRemoteDisconnectError when the peer died
-                state = f"ERR ({exc!r})"
-            if state.startswith("ERR"):
-                self.finish(Transfer(remote, handle, staging))
-                raise KVTransferError(f"NIXL failed to post {tag!r} to {remote}: {state}")
+                raise
+            except Exception as exc:
+                self._free_staging(staging)
+                raise KVTransferError(f"{self.transport.backend} could not start {tag!r} to {remote}: "
+                                      f"{exc!r}") from exc
             logger.debug("posted %s: %d descriptors, %d bytes", tag, len(descs), descs.total_bytes)
             return Transfer(remote, handle, staging)
 
@@ -197,18 +200,18 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
         """"DONE", "PROC" or "ERR" of a posted transfer."""
         with self._lock:
             try:
-                return self.agent.check_xfer_state(transfer.handle)
+                return self.transport.check(transfer.handle)
             except Exception as exc:  # a disconnected peer surfaces as an exception
                 logger.warning("%s: transfer state check failed: %r", self.agent_name, exc)
                 return "ERR"
 
     def finish(self, transfer: Transfer) -> None:
-        """Release the handle (NIXL cancels it if still running) and its staging; idempotent,
+        """Release the handle (the transport cancels or abandons it if still running) and its staging; idempotent,
         never raises."""
         with self._lock:
             if transfer.handle is not None:
                 try:
-                    self.agent.release_xfer_handle(transfer.handle)
+                    self.transport.release(transfer.handle)
                 except Exception as exc:
                     logger.warning("%s: releasing transfer handle failed: %s", self.agent_name, exc)
             self._free_staging(transfer.staging)
@@ -231,11 +234,7 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
                     self.finish(transfer)
             self.prefill_rooms.clear()
             self.decode_rooms.clear()
-            try:
-                self.agent.deregister_memory(self._reg_descs)
-            except Exception as exc:
-                logger.warning("%s: deregistering memory failed: %s", self.agent_name, exc)
-            self.agent = None  # drops the NIXL agent and its UCX workers
+            self.transport.close()
 
     def __enter__(self):
         return self
@@ -260,3 +259,15 @@ class NixlKVManager(PrefillSideMixin, KVRoutesMixin, DecodeSideMixin, BaseKVMana
                     self.close()
                     raise
                 time.sleep(0.1)
+
+
+class NixlKVManager(PDKVManager):
+    """PDKVManager over NIXL (``TransferConfig.nixl_backend``, UCX by default)."""
+
+    def _make_transport(self) -> NixlTransport:
+        return NixlTransport(self.agent_name, self.config)
+
+    @property
+    def agent(self):
+        """The NIXL agent (None once closed)."""
+        return self.transport.agent

@@ -1,7 +1,7 @@
 """Prefill half of NixlKVManager: decode registrations, claims, requests, chunk sends and room
 polling.
 
-Mixed into ``NixlKVManager``; uses its ``_lock``, ``agent``, ``control``, ``args`` and the
+Mixed into ``PDKVManager``; uses its ``_lock``, ``transport``, ``control``, ``args`` and the
 ``send_*`` byte movers. Mutates ``self.decode_peers`` and ``self.prefill_rooms``.
 
 A room waits for its decode destinations at most ``bootstrap_timeout_s`` (upstream's
@@ -60,10 +60,7 @@ class PrefillSideMixin:
                     raise ValueError(f"{what} buffers: {len(h[ptrs])} pointers, {len(h[lens])} lengths, "
                                      f"{len(items)} item sizes")
             with self._lock:
-                try:
-                    self.agent.add_remote_agent(msg.blobs[0])
-                except Exception as exc:  # the binding raises bare nixl errors on bad metadata
-                    raise ValueError(f"bad NIXL agent metadata: {exc}") from None
+                self.transport.add_peer(name, msg.blobs[0])  # ValueError on metadata it cannot use
         except (ValueError, IncompatiblePeerError) as exc:
             logger.error("%s refused decode %s (engine rank %s): %s", self.agent_name, name, h["engine_rank"], exc)
             self.control.send_to(h["ip"], h["port"], MsgKind.REJECT, {"room": -1, "reason": str(exc)})
@@ -178,10 +175,7 @@ class PrefillSideMixin:
                 if name in room.claims and not (room.last_posted and not room.handles):
                     self._fail_prefill_room(room, f"decode peer lost: {reason}")
             self.decode_peers.pop(name, None)
-            try:
-                self.agent.remove_remote_agent(name)
-            except Exception as exc:
-                logger.debug("removing remote agent %s: %s", name, exc)
+            self.transport.remove_peer(name)
 
     # ---- rooms --------------------------------------------------------------------------------
 
@@ -310,7 +304,7 @@ class PrefillSideMixin:
                     failed = failed or (transfer if state == "ERR" else None)
             room.handles = pending  # finished transfers leave before a failure releases the rest
             if failed is not None:
-                self._fail_prefill_room(room, f"NIXL transfer to {failed.agent_name} failed")
+                self._fail_prefill_room(room, f"{self.transport.backend.upper()} transfer to {failed.agent_name} failed")
                 return KVPoll.Failed
             if room.last_posted and not pending:
                 return KVPoll.Success

@@ -20,19 +20,17 @@ restart.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from enum import Enum
 
 from sglang.srt.mem_cache.hicache_storage import StorageBackendError
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_config import DEFAULT_LOCAL_BUFFER_SIZE, MooncakeOptions
+from sglang.srt.utils.mooncake_env import TCP_TIMEOUT_ENVS, bound_tcp_timeouts  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "sglang-hicache/"
-TCP_TIMEOUT_ENVS = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 PROBE_AFTER_S = 5.0  # after an RPC failure the heartbeat never confirmed: when to try again
 
 
@@ -73,15 +71,6 @@ class MooncakeUnavailable(StorageBackendError):
     """The master is unreachable: a miss for the caller, logged once when it starts."""
 
     quiet = True
-
-
-def bound_tcp_timeouts(transfer_timeout_s: float) -> None:
-    """Set Mooncake's TCP progress/status timeouts (read when its transport starts) so that a
-    transfer from a silent peer fails within about ``transfer_timeout_s``; values already in the
-    environment win."""
-    per_phase = str(max(1, math.ceil(transfer_timeout_s / 3)))
-    for name in TCP_TIMEOUT_ENVS:
-        os.environ.setdefault(name, per_phase)
 
 
 class MooncakeClient:

@@ -1,0 +1,1 @@
+"""PD KV transfer over Mooncake's transfer engine (``--disaggregation-transfer-backend mooncake``)."""
