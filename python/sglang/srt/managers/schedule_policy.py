@@ -176,7 +176,7 @@ class PrefillAdder:
         loaded = tree.pop_prefetch_loaded_tokens(req.rid) if self.storage_enabled else 0
         storage = min(loaded, host)
         if loaded > storage:  # prefetched tokens not reused: upstream's unfulfilled storage hits
-            tree.count_prefetch_admission_shortfall(loaded - storage, device_short=m.host_hit_length > host)
+            tree.count_prefetch_admission_shortfall(loaded - storage)
         req.prefix_indices, req.kv_indices, req.last_node = prefix, prefix.clone(), last_node
         req.max_pages, req.pages_allocated = own_pages, 0
         req.cached_match = None  # admitted: no longer matched while waiting

@@ -1,9 +1,10 @@
 """Upstream's HiCache metric names on /metrics, each moved by what it counts.
 
 A real scheduler (tiny model, HiCache, file L3) serves a prompt, is flushed and serves it again
-from L3: the page it renders (``render_metrics`` of a ``GET_STATS`` payload, what /metrics
-returns) has every upstream name with upstream's type and labels, and the values agree with the
-figures they are derived from (storage pages, host transfer pages, per-request tiers). Tree-level
+from L3 (and once more with host hits recomputed, so the fetched tokens go unused): the page it
+renders (``render_metrics`` of a ``GET_STATS`` payload, what /metrics returns) has every
+upstream name with upstream's type and labels, and the values agree with the figures they are
+derived from (storage pages, host transfer pages, per-request tiers). Tree-level
 cases (real HiRadixCache, the real file backend, scripted faults) move each reachable reason of
 ``storage_prefetch_unfulfilled_tokens_total``, the deferred counter, and the device->host
 figures of write-backs (no ack) and of merged deferred writes (one duration per merged copy).
@@ -30,7 +31,7 @@ from sglang.srt.metrics.hicache_metrics import BACKUP, CopyTiming, L2TransferMet
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
-register_cpu_ci(est_time=8, suite="per-commit-cpu")
+register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 UNIT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(UNIT / "mem_cache"))
@@ -107,6 +108,11 @@ def test_every_upstream_name_on_the_page_moved_by_a_served_l3_round_trip(model, 
         assert sched.flush_cache().ok  # waits for the host writes and their L3 backups
         second = drive(sched, {0: [request("b", prompt, max_new=4)]})["b"].cached
         page = scrape_scheduler(sched)
+        # fetched from L3 into host, then not reused at admission: host hits are recomputed now
+        sched.tree_cache.load_back_threshold = 1 << 20
+        assert sched.flush_cache().ok
+        third = drive(sched, {0: [request("c", prompt, max_new=4)]})["c"].cached
+        again = scrape_scheduler(sched)
     finally:
         sched.shutdown()
     for name, (kind, labels) in UPSTREAM.items():
@@ -131,6 +137,10 @@ def test_every_upstream_name_on_the_page_moved_by_a_served_l3_round_trip(model, 
         assert page.value(f"sglang:{name}_bytes_total", **radix) > 0
         assert page.value(f"sglang:{name}_duration_seconds_count", **radix) >= 1
         assert page.value(f"sglang:{name}_duration_seconds_sum", **radix) > 0
+    reason = "cache_admission_shortfall"
+    fetched = again.value("sglang:prefetched_tokens_total") - prefetched
+    assert third["storage"] == 0 and fetched == prefetched
+    assert again.value("sglang:storage_prefetch_unfulfilled_tokens_total", reason=reason) == shortfall + fetched
     total = page.value("sglang:hicache_host_total_tokens")
     assert total == page.value("sglang:cache_pool_capacity_tokens", tier="host") > 0
     assert 0 < page.value("sglang:hicache_host_used_tokens") == page.value("sglang:cache_pool_used_tokens",
@@ -224,8 +234,8 @@ def test_abort_during_the_read_drops_the_hit_and_a_read_in_full_counts_as_prefet
     poll(h)
     page = scrape_tree(h)
     assert page.value("sglang:prefetched_tokens_total") == page.value("sglang:storage_prefetch_hit_tokens_total") == 64
-    h.count_prefetch_admission_shortfall(4, device_short=True)  # what admission reports (schedule_policy)
-    assert unfulfilled(h) == {"device_capacity": 4}
+    h.count_prefetch_admission_shortfall(4)  # what admission reports (schedule_policy)
+    assert unfulfilled(h) == {"cache_admission_shortfall": 4}
     close(h)
 
 

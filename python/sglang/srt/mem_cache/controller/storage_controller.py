@@ -44,7 +44,8 @@ from sglang.srt.mem_cache.controller.transfer_lane import CpuEvent, ThreadLane
 logger = logging.getLogger(__name__)
 
 # upstream's reason labels; the ones our prefetch can reach are counted (storage_side.py,
-# schedule_policy.py), the rest stay 0 (buffer_only host memory, aux windows: not built here)
+# schedule_policy.py), the rest stay 0 (buffer_only host memory, aux windows: not built here;
+# device_capacity: admission waits for device room for the whole host hit)
 PREFETCH_UNFULFILLED_REASONS = (
     "below_threshold", "host_capacity", "device_capacity", "device_covered", "storage_transfer", "deadline",
     "anchor_lost", "aux_window_trim", "device_overlap", "cache_admission_shortfall", "dropped",
