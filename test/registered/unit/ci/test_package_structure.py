@@ -30,7 +30,7 @@ FORBIDDEN_EDGES = (
 MEM_CACHE_ROOT = {
     "__init__.py", "radix_cache.py", "hiradix_cache.py", "hi_mamba_radix_cache.py", "hicache_storage.py",
     "memory_pool_host.py", "allocator.py", "evict_policy.py", "cache_init_params.py", "common.py",
-    "base_prefix_cache.py", "utils.py", "mamba_radix_cache.py",
+    "base_prefix_cache.py", "utils.py", "mamba_radix_cache.py", "hicache_auto_size.py",
     "memory_pool", "pool_host", "storage", "hybrid_cache", "kvcacheio",
     "radix", "hiradix", "controller",
 }
