@@ -131,6 +131,7 @@ def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, pro
     a 3-turn workload token-identical to the server at ``ref_url``; both PD servers settle with no
     failure, no open room and a passed idle integrity check. ``flags``: added to both servers."""
     (bootstrap_port,) = free_ports(1)
+    backend = dict(zip(flags, flags[1:])).get("--disaggregation-transfer-backend", "nixl")
     prefill, decode = launch_servers(model, [prefill_flags(bootstrap_port, "--tp-size", str(prefill_tp), *flags),
                                              decode_flags("--tp-size", str(decode_tp), *flags)], log_dir=log_dir)
     router = None
@@ -143,6 +144,7 @@ def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, pro
             info = wait_settled(srv)
             pd = info["disaggregation"]
             assert pd["pd_failed"] == 0 and pd["pd_active_rooms"] == 0 and pd["pd_transferred"] >= 4 * len(prompts), pd
+            assert pd["pd_transfer_backend"] == backend, pd
             assert info["counters"]["num_idle_checks"] > 0
             assert srv.get("/health").status_code == 200
     finally:

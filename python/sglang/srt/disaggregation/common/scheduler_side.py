@@ -62,7 +62,8 @@ class DisaggBase:
         req.output_ids, req.logprobs, req.top_logprobs, req.sent = [], [], [], 0
 
     def info(self) -> dict:
-        return {"disaggregation_mode": self.mode, "pd_transferred": self.num_transferred,
+        return {"disaggregation_mode": self.mode, "pd_transfer_backend": self.backend,
+                "pd_transferred": self.num_transferred,
                 "pd_failed": self.num_failed, "pd_active_rooms": self.mgr.num_active_rooms()}
 
     def close(self) -> None:
