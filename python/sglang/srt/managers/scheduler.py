@@ -6,6 +6,12 @@ or, when none can be formed, one decode step for every running request. Finished
 back to the tree (``cache_finished_req``). Each TP rank runs this same code on the same inputs
 (broadcast by rank 0, see ``scheduler_process.py``), so all ranks make the same decisions.
 
+With L3 storage each waiting request starts a prefetch when it is queued (``_prefetch``); a
+request whose check missed and that still waits behind others has the check issued again every
+``--hicache-storage-prefetch-retry-poll-interval`` steps, at most
+``--hicache-storage-prefetch-retry-max-attempts`` times (``_reissue_prefetches``; the rules are
+in ``mem_cache/hiradix/prefetch_retries.py``).
+
 When the engine is idle (no request, no transfer in flight) ``on_idle`` runs
 ``check_integrity`` once: every device and host slot is free, in the tree or held by a
 request, and no slot or request row has leaked.
@@ -172,6 +178,14 @@ class Scheduler:
         self.tree_cache.prefetch_from_storage(req.rid, m.last_host_node, new_tokens, last_hash,
                                               extra_key=req.extra_key)
 
+    def _reissue_prefetches(self) -> None:
+        """One scheduling pass of the L3 check retries: issue again the checks that are due, in
+        queue order (every rank the same: the tree's inputs are agreed)."""
+        due = set(self.tree_cache.pop_due_prefetch_retries(r.rid for r in self.waiting))
+        for req in self.waiting:
+            if req.rid in due:
+                self._prefetch(req)
+
     def abort_request(self, rid: str) -> None:
         """Drop ``rid`` wherever it is; its computed KV goes to the tree like a finished one."""
         self._abort(rid)
@@ -237,6 +251,8 @@ class Scheduler:
             self.tree_cache.check_hicache_events()
         if self.disagg is not None:
             self.disagg.step()  # PD queues: bootstrap / pre-allocation, transfers in flight
+        if self.storage_enabled:
+            self._reissue_prefetches()
         adder = self._build_prefill()
         if adder is None and not self.running and self._waiting_on_host_writes():
             # Nothing can run because the memory the waiting requests need is locked by host
@@ -307,6 +323,8 @@ class Scheduler:
                 result = adder.try_add(req)  # acknowledged host writes unlocked evictable memory
             if result is AddResult.ADDED:
                 self.stats.on_admitted(req)
+                if self.storage_enabled:
+                    self.tree_cache.storage_prefetch_retries.forget(req.rid)
                 continue
             if result is AddResult.PREFETCHING:
                 skipped.append(req)
@@ -451,6 +469,9 @@ class Scheduler:
         pool = self.runner.req_to_token_pool
         if pool.available_size() != pool.size:
             raise CacheIntegrityError(f"request table: {pool.size - pool.available_size()} rows leaked")
+        retries = self.tree_cache.storage_prefetch_retries.tracked() if self.hicache else 0
+        if retries:
+            raise CacheIntegrityError(f"L3 check retries: {retries} records of requests no longer waiting")
         self.stats.counters.num_idle_checks += 1
         logger.debug("idle integrity check passed")
 

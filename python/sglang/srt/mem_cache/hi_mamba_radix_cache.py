@@ -47,11 +47,11 @@ MAMBA = PoolName.MAMBA
 
 class HiMambaRadixCache(MambaStorageMixin, HiRadixCache):
     def __init__(self, params, cache_controller, load_back_threshold: int = 0,
-                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
+                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY, prefetch_retry=None):
         if MAMBA not in cache_controller.bindings:
             raise ValueError("HiMambaRadixCache needs a controller with a 'mamba' pool (HybridCacheController)")
         self._pending_mamba: torch.Tensor | None = None
-        super().__init__(params, cache_controller, load_back_threshold, prefetch_stop_policy)
+        super().__init__(params, cache_controller, load_back_threshold, prefetch_stop_policy, prefetch_retry)
 
     def supports_mamba(self) -> bool:
         return True

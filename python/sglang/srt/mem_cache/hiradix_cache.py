@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
     """``prefetch_stop_policy``: when a waiting request stops waiting for its L3 prefetch
-    (``best_effort``, ``wait_complete``, ``timeout``); unused without storage."""
+    (``best_effort``, ``wait_complete``, ``timeout``); ``prefetch_retry``: when a missed L3
+    check is issued again (``PrefetchRetrySettings``, default upstream's); unused without storage."""
 
     # The state this class and its mixins add lives in slots, not in the instance dict: CPython
     # (3.11+) keeps an instance's attributes in a shared-key layout only up to 30 names, and past
@@ -66,10 +67,11 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         "_quarantined_on_reset", "_host_leaves", "_host_heap", "_device_candidates",
         # StorageTreeMixin (hiradix_storage.py)
         "prefetch_stop_policy", "storage", "ongoing_prefetch", "prefetch_loaded_tokens", "_write_tokens",
+        "storage_prefetch_retries",
     )
 
     def __init__(self, params: CacheInitParams, cache_controller: HiCacheController, load_back_threshold: int = 0,
-                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY):
+                 prefetch_stop_policy=DEFAULT_PREFETCH_POLICY, prefetch_retry=None):
         if params.disable:
             raise ValueError("HiRadixCache cannot be disabled; use RadixCache(disable=True)")
         params.check_same_cache(cache_controller.params)
@@ -96,7 +98,7 @@ class HiRadixCache(TierEvictionMixin, StorageTreeMixin, RadixCache):
         self._deferred_device_free: list[dict[PoolName, torch.Tensor]] = []
         self._device_free_batch: list[dict[PoolName, torch.Tensor]] | None = None  # during an eviction
         self._quarantined_on_reset: dict[PoolName, torch.Tensor] = {}  # host slots reset must not free
-        self._init_storage(prefetch_stop_policy)
+        self._init_storage(prefetch_stop_policy, prefetch_retry)
         super().__init__(params)
 
     def _new_root(self) -> None:

@@ -17,6 +17,9 @@ names the key.
 ``flush_timeout_s`` bounds ``/flush_cache``: operations still running after it (a hung backend)
 are abandoned, their host slots quarantined until the backend returns, and ``reset`` raises
 ``HiCacheFlushIncomplete`` (see ``hiradix_storage.py``).
+
+``PrefetchRetrySettings`` are server flags, not extra config keys: how often and how many times
+a queued request's L3 existence check is re-issued after a miss (``hiradix/prefetch_retries.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,28 @@ class StorageSettings:
         """Seconds the ``timeout`` policy waits for a prefetch of ``hit_tokens`` found tokens."""
         budget = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * hit_tokens / 1024
         return min(budget, self.prefetch_timeout_max)
+
+
+@dataclass(frozen=True)
+class PrefetchRetrySettings:
+    """``--hicache-storage-prefetch-retry-poll-interval`` (``poll_interval``: scheduling passes
+    between a miss and its re-issued check; 0: misses are not retried) and
+    ``--hicache-storage-prefetch-retry-max-attempts`` (``max_attempts``: re-issued checks per
+    request; 0: none). Upstream's defaults, 8 and 8."""
+
+    poll_interval: int = 8
+    max_attempts: int = 8
+
+    def __post_init__(self):
+        for name in ("poll_interval", "max_attempts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"prefetch retry {name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def enabled(self) -> bool:
+        """A miss can be retried at all."""
+        return self.poll_interval > 0 and self.max_attempts > 0
 
 
 # key -> (type, minimum, strictly greater than the minimum)

@@ -14,7 +14,8 @@ CacheInitParams agrees: the controller, the tree and the storage config all see 
 Upstream's keyword-only builder arguments ``load_cache_event``, ``prefetch_threshold`` and
 ``enable_storage_metrics`` go to the controller.
 
-Storage (L3): every stack attaches ``config.storage_backend`` and uses ``config.prefetch_policy``:
+Storage (L3): every stack attaches ``config.storage_backend`` and uses ``config.prefetch_policy``
+and ``config.prefetch_retry``:
 sidecars move with their anchor page; the KV + Mamba stack stores each backed-up node's Mamba
 state beside its last page (see ``hi_mamba_storage.py``).
 
@@ -119,7 +120,7 @@ def _sidecar_stack(params, config, anchor_kinds, side_pool, side_kind, side_name
         PoolEntry(side_name, side_host, side_pool, shares_anchor_slots=True),
     ])
     controller = _controller(params, group, config, io, controller_kwargs)
-    tree = HiRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
+    tree = HiRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy, config.prefetch_retry)
     return HybridStack(params, group, controller, tree)
 
 
@@ -169,5 +170,6 @@ def build_mamba_hybrid_stack(params: CacheInitParams, mamba_pool, config: HiCach
     controller = _controller(params, group, config, io, dict(
         load_cache_event=load_cache_event, prefetch_threshold=prefetch_threshold,
         enable_storage_metrics=enable_storage_metrics))
-    tree = HiMambaRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy)
+    tree = HiMambaRadixCache(params, controller, config.load_back_threshold, config.prefetch_policy,
+                             config.prefetch_retry)
     return HybridStack(params, group, controller, tree)
