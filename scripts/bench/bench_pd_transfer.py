@@ -1,8 +1,11 @@
-"""PD KV transfer throughput, one process per rank, beside raw NIXL transfers of the same bytes.
+"""PD KV transfer throughput, one process per rank, beside raw transfers of the same bytes.
 
 Every prefill and decode TP rank runs in its own spawned process (as in a real deployment) with
-its own pools, NixlKVManager and a raw NIXL agent; this process only coordinates and hosts the
-bootstrap server. Per (prefill_tp, decode_tp, kv_heads) case and iteration (one warm-up first):
+its own pools, the KV manager of ``--backend`` (nixl: NixlKVManager; mooncake: MooncakeKVManager)
+and a raw engine of the same kind (a NIXL agent; a Mooncake TransferEngine on TCP); this process
+only coordinates and hosts the bootstrap server. With mooncake a raw write is one synchronous
+``batch_transfer_sync_write`` per pair (the pairs of a prefill rank in parallel), done when it
+returns (Mooncake has no notifications). Per (prefill_tp, decode_tp, kv_heads) case and iteration (one warm-up first):
 
 - ``pd``: every prefill rank sends the KV of a ``--tokens`` prompt from scattered source pages to
   scattered destination pages; timed from the first prefill rank's ``send`` until the last decode
@@ -25,7 +28,8 @@ The four run interleaved, iteration by iteration, so load changes hit them alike
 poll every millisecond in all three; prefill ranks poll flat out. Prints GB/s and ratios;
 ``--json FILE`` writes one record per case (``ratio`` = pd / raw; ``ratio_single`` = pd / single).
 
-    python scripts/bench/bench_pd_transfer.py [--tokens 4096] [--layers 8] [--iters 5] [--json out.json]
+    python scripts/bench/bench_pd_transfer.py [--backend mooncake] [--tokens 4096] [--layers 8] [--iters 5]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def page_seed(room: int, role: str, rank: int) -> int:
 
 
 def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | None):
-    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import get_kv_class
 
     num_pages = pool_pages(args)
     pool = MHATokenToKVPool(num_pages * args.page_size, args.page_size, torch.bfloat16, max(1, heads // tp_size),
@@ -98,7 +102,7 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
         extra["pack_chunk_bytes"] = args.pack_chunk_mib << 20
     cfg = TransferConfig(bootstrap_addr=addr, transfer_timeout_s=600, bootstrap_timeout_s=120,
                          staging_bytes=args.staging_mib << 20, **extra)
-    return NixlKVManager(kv_args, mode, cfg), pool
+    return get_kv_class(args.backend, "manager")(kv_args, mode, cfg), pool
 
 
 def scattered_pages(pool, n: int, seed: int) -> list[int]:
@@ -142,22 +146,33 @@ def poll_until(objs, states, nap_s: float, deadline_s: float = 600) -> list[KVPo
 
 
 class Worker:
-    """One rank's process: a raw NIXL agent for the baselines and, per case, a PD rank."""
+    """One rank's process: a raw engine (NIXL agent or Mooncake TransferEngine) for the baselines
+    and, per case, a PD rank."""
 
     def __init__(self, conn, role: str, rank: int, args):
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.conn, self.role, self.rank, self.args = conn, role, rank, args
         torch.set_num_threads(args.torch_threads)  # rank processes share the cores, as a deployment sizes them
-        self.raw = nixl_agent(f"raw-{role}-{rank}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.buf = torch.ones(args.max_bytes, dtype=torch.uint8)  # touched, like the pools
         if role == "prefill":
             self.buf.random_(0, 255)
-        self.raw.register_memory(self.buf)
+        if args.backend == "mooncake":
+            from mooncake.engine import TransferEngine
+
+            self.raw = TransferEngine()
+            assert self.raw.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            assert self.raw.register_memory(self.buf.data_ptr(), self.buf.numel()) == 0
+            self.meta = f"127.0.0.1:{self.raw.get_rpc_port()}".encode()
+            self.sessions: dict[str, str] = {}
+        else:
+            from nixl._api import nixl_agent, nixl_agent_config
+
+            self.raw = nixl_agent(f"raw-{role}-{rank}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self.raw.register_memory(self.buf)
+            self.meta = self.raw.get_agent_metadata()
         self.mgr = self.pool = None
 
     def serve(self) -> None:
-        self.conn.send((self.raw.get_agent_metadata(), self.buf.data_ptr()))
+        self.conn.send((self.meta, self.buf.data_ptr()))
         while True:
             cmd, *rest = self.conn.recv()
             if cmd == "quit":
@@ -167,8 +182,11 @@ class Worker:
             self.conn.send(getattr(self, cmd)(*rest))
 
     def peers(self, metas: list[bytes]) -> None:
-        for meta in metas:
-            self.raw.add_remote_agent(meta)
+        for d, meta in enumerate(metas):
+            if self.args.backend == "mooncake":
+                self.sessions[f"raw-decode-{d}"] = meta.decode()
+            else:
+                self.raw.add_remote_agent(meta)
 
     def case(self, tp: int, heads: int, addr: str):
         mode = DisaggregationMode(self.role)
@@ -184,8 +202,9 @@ class Worker:
 
     def pd(self, room: int, addr: str):
         """Decode: receive the room (poll every ms) -> t_done. Prefill: wait for go -> t_start."""
-        from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver, NixlKVSender
+        from sglang.srt.disaggregation.utils import get_kv_class
 
+        NixlKVReceiver, NixlKVSender = (get_kv_class(self.args.backend, k) for k in ("receiver", "sender"))
         n_pages = self.args.tokens // self.args.page_size
         if self.role == "decode":
             recv = NixlKVReceiver(self.mgr, addr, room)
@@ -207,7 +226,10 @@ class Worker:
 
     def raw_xfer(self, tag: str, writes: list[tuple[str, int, int, int, int]], expect: int):
         """Prefill: on go, post one WRITE per (remote, src_off, dst_ptr, nbytes, descriptors) -> t_start.
-        Decode: wait (polling every ms) for ``expect`` notifications tagged ``tag`` -> t_done."""
+        Decode: wait (polling every ms) for ``expect`` notifications tagged ``tag`` -> t_done.
+        Mooncake: prefill returns (state, t_start, t_done) itself, decode (state, 0.0) at once."""
+        if self.args.backend == "mooncake":
+            return self._raw_mooncake(writes)
         if self.role == "decode":
             self.conn.send("ready")
             got, deadline = 0, time.monotonic() + 600
@@ -229,6 +251,32 @@ class Worker:
                 states[i] = self.raw.check_xfer_state(h)
             self.raw.release_xfer_handle(h)
         return int(KVPoll.Success if all(s == "DONE" for s in states) else KVPoll.Failed), t0
+
+
+    def _mooncake_write(self, job, batch: int = 1024) -> int:
+        """One pair's write in batches of at most ``batch`` ranges (as MooncakeTransport posts)."""
+        session, src, dst, lens = job
+        codes = [self.raw.batch_transfer_sync_write(session, src[i:i + batch], dst[i:i + batch], lens[i:i + batch])
+                 for i in range(0, len(src), batch)]
+        return min(codes)
+
+    def _raw_mooncake(self, writes: list[tuple[str, int, int, int, int]]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.role == "decode":
+            self.conn.send("ready")
+            return int(KVPoll.Success), 0.0
+        jobs = []
+        for remote, s, d, n, k in writes:
+            src, dst = _scattered(self.buf.data_ptr() + s, n, k, 1), _scattered(d, n, k, 2)
+            jobs.append((self.sessions[remote], src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist()))
+        self.conn.send("ready")
+        assert self.conn.recv() == ("go",)
+        with ThreadPoolExecutor(max(1, len(jobs))) as pool:
+            t0 = time.monotonic()
+            codes = list(pool.map(self._mooncake_write, jobs))
+            t1 = time.monotonic()
+        return int(KVPoll.Success if all(c >= 0 for c in codes) else KVPoll.Failed), t0, t1
 
 
 def _scattered(base: int, nbytes: int, pieces: int, seed: int) -> np.ndarray:
@@ -274,10 +322,12 @@ class Coordinator:
             if key[0] == "prefill":
                 self.conns[key].send(("go",))
         results = {key: self.conns[key].recv() for key in cmds}
-        if any(state != KVPoll.Success for state, _ in results.values()):
+        if any(res[0] != KVPoll.Success for res in results.values()):
             raise RuntimeError(f"transfer failed: {results}")
-        return (max(t for (role, _), (_, t) in results.items() if role == "decode")
-                - min(t for (role, _), (_, t) in results.items() if role == "prefill"))
+        # decode reports (state, t_done); prefill (state, t_start), or (state, t_start, t_done) when
+        # it knows the end itself (a synchronous Mooncake write)
+        ends = [res[-1] for (role, _), res in results.items() if role == "decode" or len(res) == 3]
+        return max(ends) - min(res[1] for (role, _), res in results.items() if role == "prefill")
 
     def call_ready(self, cmds: dict) -> None:
         for key, cmd in cmds.items():
@@ -330,9 +380,9 @@ def page_run_stats(args, tp: int, td: int, heads: int) -> float:
 
 
 def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
-    from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
+    from sglang.srt.disaggregation.utils import get_kv_class
 
-    server = NixlKVBootstrapServer()
+    server = get_kv_class(args.backend, "bootstrap_server")()
     load = [os.getloadavg()[0]]
     pairs = pair_bytes(args, tp, td, heads)
     total = sum(pairs.values())
@@ -364,11 +414,13 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
             "raw_pages_vs_raw": round(gbps["raw_pages"] / gbps["raw"], 3), "descriptors_per_pair": descriptors,
             "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
             "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load,
-            "layout": args.layout, "page_runs_median": runs}
+            "layout": args.layout, "page_runs_median": runs, "backend": args.backend}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl",
+                    help="PD transfer backend, and the raw engine of the baselines")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt length (tokens)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--page-size", type=int, default=16)
