@@ -17,7 +17,12 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from sglang.srt.mem_cache.controller.hicache_config import DEFAULT_PREFETCH_POLICY, PrefetchPolicy, WritePolicy
+from sglang.srt.mem_cache.controller.hicache_config import (
+    DEFAULT_HICACHE_RATIO,
+    DEFAULT_PREFETCH_POLICY,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
 
 logger = logging.getLogger(__name__)
@@ -27,10 +32,11 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu", "slru", "priority", "tlru")  # upstream's choices (EvictionPolicy: checked in a test)
 HOST_MEMORY_MODES = ("cache", "buffer_only")
+NPU_ONLY_LAYOUT = "page_first_kv_split"  # upstream's Ascend layout: accepted as a choice, refused with the reason
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")  # managers.schedule_policy.SchedulePolicy (checked in a test)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-DISAGGREGATION_TRANSFER_BACKENDS = ("nixl",)
+DISAGGREGATION_TRANSFER_BACKENDS = ("nixl", "mooncake")
 
 
 def _choices(enum_cls) -> tuple[str, ...]:
@@ -94,25 +100,34 @@ class ServerArgs:
                                     "prompt_tokens_details.cached_tokens")
     # HiCache
     enable_hierarchical_cache: bool = opt(False, "keep evicted prefixes in a host pool (L2) and load them back")
-    hicache_host_memory_mode: str = opt("cache", "host memory as a HiCache tier (cache); buffer_only (a staging "
-                                        "buffer to L3) is refused here", HOST_MEMORY_MODES)
-    hicache_ratio: float = opt(2.0, "host pool size as a multiple of the device pool (when --hicache-size is 0)")
+    hicache_host_memory_mode: str = opt("cache", "host memory as a HiCache tier (cache); buffer_only (upstream's "
+                                        "staging buffer to L3, implemented upstream only for its unified radix "
+                                        "tree) is refused here", HOST_MEMORY_MODES)
+    hicache_ratio: float | None = opt(None, f"host pool size as a multiple of the device pool (when --hicache-size "
+                                      f"is 0); unset: {DEFAULT_HICACHE_RATIO}, lowered until the host pools fit "
+                                      "--hicache-host-memory-fraction")
     hicache_size: float = opt(0.0, "host pool size in GB per rank; overrides --hicache-ratio when > 0")
+    hicache_host_memory_fraction: float = opt(
+        0.8, "fraction of the available host memory (MemAvailable bounded by the cgroup limits, less a reserve "
+        "of min(10 GiB, a fifth of it)) that the host pools of all ranks on this machine may use; applies only "
+        "when neither --hicache-ratio nor --hicache-size is given; lower it when several servers share the host")
     hicache_write_policy: str = opt("write_through", "when a device prefix gets its host copy", _choices(WritePolicy))
     hicache_io_backend: str | None = opt(None, "host<->device copies; default: kernel on CUDA, direct on CPU",
                                          _choices(IOBackend))
-    hicache_mem_layout: str = opt("layer_first", "host pool layout", _choices(HostLayout))
+    hicache_mem_layout: str = opt("layer_first", "host pool layout (page_first_kv_split, upstream's Ascend NPU "
+                                  "layout, is refused here)", _choices(HostLayout) + (NPU_ONLY_LAYOUT,))
     hicache_storage_backend: str | None = opt(None, "L3 storage backend, a name known to StorageBackendFactory "
                                               "(file, nixl, dynamic, ...); needs --enable-hierarchical-cache")
     hicache_storage_prefetch_policy: str = opt(DEFAULT_PREFETCH_POLICY.value,
                                                "when a request stops waiting for its L3 prefetch",
                                                _choices(PrefetchPolicy))
     hicache_storage_prefetch_retry_poll_interval: int = opt(
-        8, "scheduling passes a queued request waits before its L3 existence check is re-issued when the check "
-        "found nothing while backups were still being written; 0: no such retries")
+        8, "scheduling passes after which a queued request's L3 existence check that found nothing (its pages may "
+        "still be landing: a backup in flight) is issued again; only requests waiting behind others are "
+        "re-checked, the head of the queue never waits for one; 0: misses are not retried")
     hicache_storage_prefetch_retry_max_attempts: int = opt(
-        8, "re-issued L3 existence checks per queued request; past it the request runs with what it has; "
-        "0: none")
+        8, "re-issued L3 existence checks per queued request; past it the request runs with what the device "
+        "and host hold; 0: none")
     hicache_storage_backend_extra_config: str | None = opt(
         None, "backend options: a JSON object, or @path to a .json, .yaml, .yml or .toml file")
     hicache_storage_roots: str | None = opt(None, "directories (comma-separated, existing) under which a runtime "
@@ -123,12 +138,14 @@ class ServerArgs:
     # prefill/decode disaggregation (docs/pd_transfer.md)
     disaggregation_mode: str = opt("null", "null: a normal server; prefill / decode: one half of a PD deployment "
                                    "behind sglang-router --pd-disaggregation", DISAGGREGATION_MODES)
-    disaggregation_transfer_backend: str = opt("nixl", "KV transfer engine between prefill and decode",
+    disaggregation_transfer_backend: str = opt("nixl", "KV transfer engine between prefill and decode (both "
+                                               "sides must agree; docs/pd_transfer.md, Transports)",
                                                DISAGGREGATION_TRANSFER_BACKENDS)
     disaggregation_bootstrap_port: int = opt(8998, "port of the bootstrap server a prefill server hosts (give it "
                                              "to the router after the prefill URL)")
-    disaggregation_ib_device: str | None = opt(None, "accepted for upstream compatibility; UCX picks the "
-                                               "network devices itself (set UCX_NET_DEVICES to choose)")
+    disaggregation_ib_device: str | None = opt(None, "mooncake: the RDMA device(s) of its transfer engine, "
+                                               "e.g. mlx5_0 (default: Mooncake chooses); nixl: no effect, UCX "
+                                               "picks the network devices itself (set UCX_NET_DEVICES)")
     # KV cache events for KV-aware routers (docs/server.md, KV cache events)
     kv_events_config: str | None = opt(None, "publish the tree's KV cache events: a JSON object, e.g. "
                                        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
@@ -137,7 +154,10 @@ class ServerArgs:
     def __post_init__(self):
         self._check_ranges()
         self._check_choices()
+        self._check_layout()
+        self._check_eviction()
         self._check_hicache()
+        self._check_host_memory_mode()
         self._check_disaggregation()
         self._check_kv_events()
 
@@ -158,7 +178,9 @@ class ServerArgs:
             ("port", 1 <= self.port <= 65535, "in [1, 65535]"),
             ("schedule_conservativeness", 1.0 <= self.schedule_conservativeness <= 100.0, "in [1.0, 100.0]"),
             ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),
-            ("hicache_ratio", self.hicache_size > 0 or self.hicache_ratio > 0, "> 0 when --hicache-size is 0"),
+            ("hicache_ratio", self.hicache_size > 0 or self.hicache_ratio is None or self.hicache_ratio > 0,
+             "> 0 when --hicache-size is 0"),
+            ("hicache_host_memory_fraction", 0 < self.hicache_host_memory_fraction <= 1, "in (0, 1]"),
             ("hicache_storage_prefetch_retry_poll_interval", self.hicache_storage_prefetch_retry_poll_interval >= 0,
              "an integer >= 0"),
             ("hicache_storage_prefetch_retry_max_attempts", self.hicache_storage_prefetch_retry_max_attempts >= 0,
@@ -174,6 +196,24 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ValueError(f"{flag_name(f.name)} {value!r} is not allowed; choose one of: {', '.join(choices)}")
+
+    def _check_layout(self) -> None:
+        if self.hicache_mem_layout == NPU_ONLY_LAYOUT:
+            raise ValueError(f"--hicache-mem-layout {NPU_ONLY_LAYOUT} is refused: it is upstream's Ascend NPU layout "
+                             "(separate K and V host buffers moved by the kernel_ascend IO backend); this server "
+                             "runs on CPU and CUDA. Use page_first_direct (page-major, moved and stored page by "
+                             "page) or layer_first")
+
+    def _check_eviction(self) -> None:
+        from sglang.srt.mem_cache.evict_policy import TLRU_REFUSED, EvictionPolicy, check_policy_config
+
+        policy = EvictionPolicy.parse(self.radix_eviction_policy)
+        if policy is EvictionPolicy.TLRU:
+            raise ValueError(f"--radix-eviction-policy tlru is refused: {TLRU_REFUSED}")
+        try:
+            check_policy_config(policy, self.eviction_policy_config)
+        except ValueError as exc:
+            raise ValueError(f"--radix-eviction-policy-config: {exc}") from None
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:
@@ -203,6 +243,23 @@ class ServerArgs:
                 raise ValueError(f"--hicache-storage-roots {root!r} is invalid; each entry must be an existing "
                                  "directory given by its absolute path")
 
+    def _check_host_memory_mode(self) -> None:
+        """buffer_only: upstream's prerequisites first (the most useful error), then our refusal."""
+        if self.hicache_host_memory_mode == "cache":
+            return
+        flag = f"--hicache-host-memory-mode {self.hicache_host_memory_mode}"
+        if not self.enable_hierarchical_cache:
+            raise ValueError(f"{flag} needs --enable-hierarchical-cache")
+        if self.hicache_storage_backend is None:
+            raise ValueError(f"{flag} needs --hicache-storage-backend: host memory is then only a staging buffer "
+                             "and every cached page lives in storage")
+        if self.disaggregation_mode == "decode":
+            raise ValueError(f"{flag} is not supported with --disaggregation-mode decode (upstream refuses it too)")
+        raise ValueError(f"{flag} is not supported: upstream implements it only for its UnifiedRadixCache (the "
+                         "unified radix tree), which this server does not have; allowed: cache (the default). To "
+                         "keep the host tier small, use cache with a small --hicache-ratio or --hicache-size (or "
+                         "a lower --hicache-host-memory-fraction) and the storage backend")
+
     def _check_io_cell(self) -> None:
         """The (layout, io_backend) cell must exist in the kvcacheio dispatch table (MHA pools)."""
         from sglang.srt.mem_cache.kvcacheio.dispatch import IO_TABLE
@@ -228,12 +285,17 @@ class ServerArgs:
         if self.device != "cpu":
             raise ValueError(f"{mode} does not support --device {self.device} yet: PD transfer registers the KV "
                              "pool as host (DRAM) memory; use --device cpu")
-        try:
-            import nixl._api  # noqa: F401  (the transfer engine; fail at startup, not at the first request)
+        try:  # the transfer engine: fail at startup, not at the first request
+            if self.disaggregation_transfer_backend == "mooncake":
+                import mooncake.engine  # noqa: F401
+            else:
+                import nixl._api  # noqa: F401
             import zmq  # noqa: F401
         except ImportError as exc:
+            extra = ("'sglang[pd,mooncake]' and Debian's libibverbs1 and librdmacm1"
+                     if self.disaggregation_transfer_backend == "mooncake" else "'sglang[pd]'")
             raise ValueError(f"{mode} needs the transfer backend {self.disaggregation_transfer_backend!r}: "
-                             f"{exc}; install the 'pd' extra (pip install 'sglang[pd]')") from None
+                             f"{exc}; install the 'pd' extra (pip install {extra})") from None
 
     def _check_kv_events(self) -> None:
         if self.kv_events_config is None:
@@ -253,6 +315,19 @@ class ServerArgs:
         return "kernel" if self.device == "cuda" else "direct"
 
     @property
+    def resolved_hicache_ratio(self) -> float:
+        """--hicache-ratio, or the default when unset (auto-sizing may lower that default)."""
+        return DEFAULT_HICACHE_RATIO if self.hicache_ratio is None else self.hicache_ratio
+
+    @property
+    def resolved_host_memory_fraction(self) -> float | None:
+        """--hicache-host-memory-fraction when it sizes the host pools (neither --hicache-ratio nor
+        --hicache-size given, upstream's rule), else None (the explicit size is used as given)."""
+        if self.hicache_ratio is not None or self.hicache_size > 0:
+            return None
+        return self.hicache_host_memory_fraction
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model_path))
 
@@ -260,6 +335,20 @@ class ServerArgs:
     def storage_extra_config(self) -> dict:
         """--hicache-storage-backend-extra-config as a dict ({} when unset)."""
         return load_extra_config(self.hicache_storage_backend_extra_config)
+
+    @cached_property
+    def eviction_policy_config(self) -> dict | None:
+        """--radix-eviction-policy-config as a dict (None when unset)."""
+        value = self.radix_eviction_policy_config
+        if value is None or value == "":
+            return None
+        try:
+            data = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"--radix-eviction-policy-config is not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--radix-eviction-policy-config must be a JSON object, got {type(data).__name__}")
+        return data
 
     @property
     def storage_roots(self) -> tuple[str, ...]:

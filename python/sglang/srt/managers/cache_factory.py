@@ -19,6 +19,8 @@ from sglang.srt.distributed import get_tp_group
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
+from sglang.srt.mem_cache.hicache_auto_size import auto_size_hicache
+from sglang.srt.mem_cache.hiradix.tp_agreement import TPAgreement
 from sglang.srt.mem_cache.hiradix_cache import HiRadixCache
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     ANCHOR_HOST_CLASSES,
@@ -49,6 +51,7 @@ def cache_init_params(args, runner) -> CacheInitParams:
         req_to_token_pool=runner.req_to_token_pool,
         disable=args.disable_radix_cache,
         eviction_policy=args.radix_eviction_policy,
+        eviction_policy_config=args.eviction_policy_config,
         tp_rank=runner.tp_rank,
         tp_size=runner.tp_size,
         tp_cache_group=get_tp_group().cpu_group,
@@ -63,21 +66,38 @@ def _storage_flags_error(args, exc: ValueError) -> ValueError:
     )
 
 
-def hicache_config(args) -> HiCacheConfig:
-    """The --hicache-* flags as a HiCacheConfig; a bad storage option names the flags."""
+def host_ratio(args, runner, params: CacheInitParams) -> float:
+    """The host-to-device ratio of the host pools: --hicache-ratio as given, or (neither it nor
+    --hicache-size given) its default lowered to fit --hicache-host-memory-fraction of this host's
+    memory for the bytes of every device pool that gets a host mirror, agreed (MIN) over the TP
+    ranks. Every TP rank calls it, before any host pool is built."""
+    fraction = args.resolved_host_memory_fraction
+    if fraction is None:
+        return args.resolved_hicache_ratio
+    device_bytes = sum(pool.mem_usage_bytes() for pool in runner.all_pools)
+    # our TP ranks all run on this host: the budget is split over them
+    return auto_size_hicache(args.resolved_hicache_ratio, fraction, device_bytes, ranks_per_host=params.tp_size,
+                             agree_min=TPAgreement(params.tp_cache_group).min, tp_rank=params.tp_rank)
+
+
+def hicache_config(args, hicache_ratio: float | None = None) -> HiCacheConfig:
+    """The --hicache-* flags as a HiCacheConfig (``hicache_ratio``: the sized ratio, default the
+    flag's); a bad storage option names the flags."""
     storage = args.hicache_storage_backend is not None
     # the weights' fingerprint, not the name alone: other weights never read these pages
     storage_model = storage_model_name(args) if storage else None
     try:
         return HiCacheConfig(
             write_policy=args.hicache_write_policy,
-            hicache_ratio=args.hicache_ratio,
+            hicache_ratio=args.resolved_hicache_ratio if hicache_ratio is None else hicache_ratio,
             hicache_size_gb=args.hicache_size,
             mem_layout=args.hicache_mem_layout,
             io_backend=args.resolved_io_backend,
             storage_backend=args.hicache_storage_backend,
             storage_backend_extra_config=dict(args.storage_extra_config) if storage else None,
             prefetch_policy=args.hicache_storage_prefetch_policy,
+            prefetch_retry_poll_interval=args.hicache_storage_prefetch_retry_poll_interval,
+            prefetch_retry_max_attempts=args.hicache_storage_prefetch_retry_max_attempts,
             model_name=storage_model,
         )
     except ValueError as exc:
@@ -135,7 +155,7 @@ def build_tree_cache(args, runner) -> RadixCache:
         logger.info("prefix cache: %s", "disabled" if args.disable_radix_cache else "RadixCache (device only)")
         return RadixCache(params)
     check_host_cells(args, runner)
-    cfg = hicache_config(args)
+    cfg = hicache_config(args, host_ratio(args, runner, params))
     anchor = runner.token_to_kv_pool
     if side is not None:
         try:
@@ -155,7 +175,8 @@ def build_tree_cache(args, runner) -> RadixCache:
             io_backend=cfg.io_backend,
         )
         controller = _controller(args, params, host_pool, cfg)
-        tree = HiRadixCache(params, controller, cfg.load_back_threshold, prefetch_stop_policy=cfg.prefetch_policy)
+        tree = HiRadixCache(params, controller, cfg.load_back_threshold, prefetch_stop_policy=cfg.prefetch_policy,
+                            prefetch_retry=cfg.prefetch_retry)
     logger.info(
         "prefix cache: %s, pools %s, host %d slots (%s, %s), write policy %s, storage %s",
         type(tree).__name__, " + ".join(p.kind.value for p in runner.all_pools), host_pool.size,

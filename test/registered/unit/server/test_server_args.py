@@ -197,3 +197,8 @@ def test_pass_prefix_keys_is_a_controller_key():
     assert settings.hicache_storage_pass_prefix_keys is True and backend == {}
     with pytest.raises(ValueError, match="hicache_storage_pass_prefix_keys.*boolean"):
         split_extra_config({"hicache_storage_pass_prefix_keys": 1})
+
+
+def test_the_npu_layout_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="page_first_kv_split is refused: it is upstream's Ascend NPU layout"):
+        args("--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_kv_split")

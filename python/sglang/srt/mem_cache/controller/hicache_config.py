@@ -3,7 +3,8 @@
 Parallel coordinates are NOT here: they live in ``CacheInitParams`` only. The storage (L3)
 fields take the server's flags as they are: ``storage_backend`` (a StorageBackendFactory name),
 ``storage_backend_extra_config`` (a dict or a JSON object string; the controller's own keys are
-listed in ``storage_settings.py``, the rest goes to the backend), ``prefetch_policy`` and
+listed in ``storage_settings.py``, the rest goes to the backend), ``prefetch_policy``, the
+prefetch retry flags (``prefetch_retry_poll_interval``, ``prefetch_retry_max_attempts``) and
 ``model_name``.
 """
 
@@ -13,7 +14,11 @@ from dataclasses import dataclass
 
 from sglang.srt.choice_enum import ChoiceEnum
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
-from sglang.srt.mem_cache.controller.storage_settings import parse_extra_config_arg, split_extra_config
+from sglang.srt.mem_cache.controller.storage_settings import (
+    PrefetchRetrySettings,
+    parse_extra_config_arg,
+    split_extra_config,
+)
 
 
 class WritePolicy(ChoiceEnum):
@@ -56,6 +61,9 @@ class PrefetchPolicy(ChoiceEnum):
 # upstream 0.5.23's default: an idle server waits (within the budget) for its L3 hits instead of
 # scheduling the request before any page arrived
 DEFAULT_PREFETCH_POLICY = PrefetchPolicy.TIMEOUT
+# upstream's default host-to-device ratio (cache mode); a server given neither --hicache-ratio nor
+# --hicache-size lowers it to fit --hicache-host-memory-fraction (mem_cache/hicache_auto_size.py)
+DEFAULT_HICACHE_RATIO = 2.0
 
 _THRESHOLD = {
     WritePolicy.WRITE_THROUGH: 1,
@@ -68,7 +76,8 @@ _THRESHOLD = {
 class HiCacheConfig:
     """Host tier settings.
 
-    ``hicache_ratio``: host slots per device slot (used when ``hicache_size_gb`` is 0).
+    ``hicache_ratio``: host slots per device slot (used when ``hicache_size_gb`` is 0); None (an
+    unset ``--hicache-ratio``) is ``DEFAULT_HICACHE_RATIO``.
     ``hicache_size_gb``: host pool size in GB (split over the pools of a hybrid stack in
     proportion to their bytes per token). ``io_backend``: None picks ``kernel`` on CUDA and
     ``direct`` elsewhere. ``load_back_threshold``: host hits shorter than this many tokens are
@@ -78,11 +87,13 @@ class HiCacheConfig:
     ``dynamic``); ``model_name`` is then required (it is part of every storage key).
     ``storage_backend_extra_config``: a dict or a JSON object string, validated here: the
     controller's keys (``storage_settings.py``) by value, the backend's keys when the backend
-    is built. ``prefetch_policy``: see :class:`PrefetchPolicy`.
+    is built. ``prefetch_policy``: see :class:`PrefetchPolicy`. ``prefetch_retry_poll_interval``
+    / ``prefetch_retry_max_attempts``: when a missed L3 check is issued again (the tree's
+    ``prefetch_retry``, see ``hiradix/prefetch_retries.py``).
     """
 
     write_policy: WritePolicy | str = WritePolicy.WRITE_THROUGH
-    hicache_ratio: float = 2.0
+    hicache_ratio: float | None = DEFAULT_HICACHE_RATIO
     hicache_size_gb: float = 0.0
     mem_layout: HostLayout | str = HostLayout.LAYER_FIRST
     io_backend: IOBackend | str | None = None
@@ -90,6 +101,8 @@ class HiCacheConfig:
     storage_backend: str | None = None
     storage_backend_extra_config: dict | str | None = None
     prefetch_policy: PrefetchPolicy | str = DEFAULT_PREFETCH_POLICY
+    prefetch_retry_poll_interval: int = PrefetchRetrySettings.poll_interval
+    prefetch_retry_max_attempts: int = PrefetchRetrySettings.max_attempts
     model_name: str | None = None
 
     def __post_init__(self):
@@ -97,6 +110,8 @@ class HiCacheConfig:
         self.mem_layout = HostLayout.parse(self.mem_layout)
         if self.io_backend is not None:
             self.io_backend = IOBackend.parse(self.io_backend)
+        if self.hicache_ratio is None:
+            self.hicache_ratio = DEFAULT_HICACHE_RATIO
         if self.hicache_size_gb < 0:
             raise ValueError(f"hicache_size_gb must be >= 0, got {self.hicache_size_gb}")
         if self.hicache_size_gb == 0 and self.hicache_ratio <= 0:
@@ -104,6 +119,7 @@ class HiCacheConfig:
         if self.load_back_threshold < 0:
             raise ValueError(f"load_back_threshold must be >= 0, got {self.load_back_threshold}")
         self.prefetch_policy = PrefetchPolicy.parse(self.prefetch_policy)
+        self.prefetch_retry  # a bad value fails here, naming the setting
         self._check_storage()
 
     def _check_storage(self) -> None:
@@ -123,6 +139,10 @@ class HiCacheConfig:
             )
         split_extra_config(extra)  # the controller's keys: a bad value fails here, naming the key
         self.storage_backend_extra_config = extra
+
+    @property
+    def prefetch_retry(self) -> PrefetchRetrySettings:
+        return PrefetchRetrySettings(self.prefetch_retry_poll_interval, self.prefetch_retry_max_attempts)
 
     @property
     def storage_kwargs(self) -> dict:

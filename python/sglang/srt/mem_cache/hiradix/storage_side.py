@@ -13,6 +13,11 @@ Prefetch, for a waiting request (scheduler thread unless noted):
    False (keep waiting) or ends the prefetch: the pages that arrived on every rank become
    host-only nodes under ``last_host_node`` (pages the tree got meanwhile are freed), the pin
    goes, the rest of the reservation is freed once the IO thread lets go of it.
+4. A miss (agreed: nothing or too little found, no host room for it, or ``best_effort`` stopped
+   before the check answered) arms a paced retry (``storage_prefetch_retries``,
+   ``prefetch_retries.py``); ``pop_due_prefetch_retries`` (once per scheduling pass) ends the
+   missed prefetch of each request whose retry is due, and the scheduler issues its check again.
+   A check stopped by a time budget is not retried.
 
 Backup: when a host copy is acknowledged on every rank (``_on_write_done``), its pages are
 queued to the backup thread with their hashes (and, in a hybrid tree, ``_backup_states``: the
@@ -52,6 +57,8 @@ from sglang.srt.mem_cache.controller.hicache_config import PrefetchPolicy
 from sglang.srt.mem_cache.radix.page_hash import namespace_hash, page_hashes
 from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.controller.storage_ops import HiCacheFlushIncomplete, PrefetchOperation, PrefetchState, StorageOperation
+from sglang.srt.mem_cache.controller.storage_settings import PrefetchRetrySettings
+from sglang.srt.mem_cache.hiradix.prefetch_retries import StoragePrefetchRetries
 from sglang.srt.mem_cache.radix.tree_node import RadixKey, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -62,8 +69,9 @@ MAX_LOADED_RECORDS = 4096  # prefetch_loaded_tokens entries kept for requests no
 class StorageTreeMixin:
     STORAGE_STATE_POOL: PoolName | None = None  # the trailing state pool this tree can take from L3
 
-    def _init_storage(self, prefetch_stop_policy) -> None:
+    def _init_storage(self, prefetch_stop_policy, prefetch_retry: PrefetchRetrySettings | None = None) -> None:
         self.prefetch_stop_policy = PrefetchPolicy.parse(prefetch_stop_policy)
+        self.storage_prefetch_retries = StoragePrefetchRetries(prefetch_retry)
         self.storage = self.cache_controller.storage  # None: no L3
         state_pool = self.storage.state_pool if self.storage is not None else None
         if state_pool is not self.STORAGE_STATE_POOL and state_pool is not None:
@@ -143,11 +151,17 @@ class StorageTreeMixin:
             return False
         if not done and not in_time:
             self.storage.count(prefetch_timeouts=1)
-        self._end_prefetch(op, arrived)
+        elif op.state is PrefetchState.QUERYING:  # best_effort stopped before the check answered
+            self.storage_prefetch_retries.poll_miss(req_id)
+        self._end_prefetch(op, arrived, "deadline" if not done and not in_time else "storage_transfer")
         return True
 
-    def _end_prefetch(self, op: PrefetchOperation, keep_pages: int) -> None:
-        """Insert the first ``keep_pages`` pages (arrived on every rank), unpin, release the rest."""
+    def _end_prefetch(self, op: PrefetchOperation, keep_pages: int, short_reason: str = "dropped") -> None:
+        """Insert the first ``keep_pages`` pages (arrived on every rank), unpin, release the rest.
+        ``short_reason``: upstream's unfulfilled reason of the hit pages a read leaves behind."""
+        if op.state is PrefetchState.LOADING and op.hit_pages > keep_pages:
+            short = (op.hit_pages - keep_pages) * self.page_size
+            self.storage.count(**{f"prefetch_unfulfilled_tokens_{short_reason}": short})
         op.terminated = op.cancel = True
         del self.ongoing_prefetch[op.request_id]
         keep = keep_pages * self.page_size
@@ -179,12 +193,39 @@ class StorageTreeMixin:
         """Tokens that ``req_id``'s prefetch added to the tree (0 if none); forgets them."""
         return self.prefetch_loaded_tokens.pop(req_id, 0)
 
+    def count_prefetch_admission_shortfall(self, num_tokens: int) -> None:
+        """At admission, ``num_tokens`` tokens a prefetch added were not reused as storage hits
+        (e.g. they left the host tier meanwhile): upstream's ``cache_admission_shortfall``. Its
+        ``device_capacity`` does not arise: a request is admitted only with device room for its
+        whole host hit (``schedule_policy.py``)."""
+        if self.storage is not None and num_tokens > 0:
+            self.storage.count(prefetch_unfulfilled_tokens_cache_admission_shortfall=num_tokens)
+
     def release_aborted_request(self, req_id: str) -> None:
-        """Drop ``req_id``'s prefetch (nothing is inserted). Same call on every rank; no collective."""
+        """Drop ``req_id``'s prefetch (nothing is inserted) and its retry. Same call on every
+        rank; no collective."""
         self.prefetch_loaded_tokens.pop(req_id, None)
+        self.storage_prefetch_retries.forget(req_id)
         op = self.ongoing_prefetch.get(req_id)
         if op is not None:
             self._end_prefetch(op, 0)
+
+    def pop_due_prefetch_retries(self, queue_rids) -> list[str]:
+        """Once per scheduling pass: the ids of ``queue_rids`` (the waiting queue, head first)
+        whose L3 check is due again (``StoragePrefetchRetries.pop_ready``), in queue order. Each
+        one's missed prefetch is ended (nothing to keep), so the caller can start the new one
+        with ``prefetch_from_storage``. Same result on every rank; no collective."""
+        due = []
+        for rid in self.storage_prefetch_retries.pop_ready(queue_rids):
+            op = self.ongoing_prefetch.get(rid)
+            if op is not None:
+                if op.state is not PrefetchState.FINISHED:  # a check in flight already: keep it
+                    continue
+                self._end_prefetch(op, 0)
+            logger.debug("prefetch %s: L3 check re-issued (attempt %d of %d)", rid,
+                         self.storage_prefetch_retries.attempts(rid), self.storage_prefetch_retries.settings.max_attempts)
+            due.append(rid)
+        return due
 
     def _start_prefetch_reads(self, ops: list[PrefetchOperation]) -> None:
         """Agree the hit pages of ``ops`` (existence checks done on every rank), reserve host
@@ -200,14 +241,17 @@ class StorageTreeMixin:
             self.storage.count(prefetch_pages_found=n)
             op.state = PrefetchState.FINISHED
             if n == 0 or n * self.page_size < threshold:
-                self.storage.count(prefetch_skipped=1)
+                self.storage.count(prefetch_skipped=1, prefetch_unfulfilled_tokens_below_threshold=n * self.page_size)
+                self.storage_prefetch_retries.poll_miss(op.request_id)  # the pages may still be landing
                 continue
             need = {self.KV: n * self.page_size}
             if self.storage.state_pool is not None:
                 need[self.storage.state_pool] = 1  # the state after the last hit page
             host = self._reserve(Tier.HOST, need)
             if host is None:
-                self.storage.count(prefetch_host_full=1)
+                self.storage.count(prefetch_host_full=1, prefetch_unfulfilled_tokens_host_capacity=n * self.page_size,
+                                   prefetch_deferred_tokens_host_capacity=n * self.page_size)
+                self.storage_prefetch_retries.poll_miss(op.request_id)  # host slots free up as others finish
                 continue
             op.host_indices, op.state = host[self.KV], PrefetchState.LOADING
             op.state_host = host.get(self.storage.state_pool)
