@@ -1,7 +1,7 @@
 """The byte-moving seam under the PD manager: one interface, one implementation per transfer
 backend (``nixl/transport.py``, ``mooncake/transport.py``).
 
-The manager (``nixl/manager.py``'s ``PDKVManager``) decides WHAT moves where: descriptors,
+The manager (``PDKVManager``, ``common/manager.py``) decides WHAT moves where: descriptors,
 rooms, staging, head slicing, timeouts, peers. A transport only moves bytes and tags:
 
 * ``register_memory`` once, over every buffer a peer may write or this rank may read;

@@ -1,16 +1,17 @@
 """Mooncake PD transfer: upstream's names over our PD layer. ``MooncakeKVManager`` is the shared
-``PDKVManager`` (rooms, staging, head slicing for heterogeneous TP, timeouts, heartbeats)
-with ``MooncakeTransport`` (``transport.py``) moving the bytes; sender, receiver and bootstrap
-server are the shared ones. Use exactly as the NIXL classes (``nixl/conn.py``).
+``PDKVManager`` (``common/manager.py``: rooms, staging, head slicing for heterogeneous TP,
+timeouts, heartbeats) with ``MooncakeTransport`` (``transport.py``) moving the bytes; sender,
+receiver and bootstrap server are the shared ones (``common/conn.py``), used exactly as the NIXL
+classes.
 """
 
 from __future__ import annotations
 
 from sglang.srt.disaggregation.common.bootstrap import CommonKVBootstrapServer
+from sglang.srt.disaggregation.common.conn import PDKVReceiver, PDKVSender
+from sglang.srt.disaggregation.common.manager import PDKVManager
 from sglang.srt.disaggregation.common.messages import MsgKind
 from sglang.srt.disaggregation.mooncake.transport import MooncakeTransport
-from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver, NixlKVSender
-from sglang.srt.disaggregation.nixl.manager import PDKVManager
 
 __all__ = ["MooncakeKVBootstrapServer", "MooncakeKVManager", "MooncakeKVReceiver", "MooncakeKVSender"]
 
@@ -25,11 +26,11 @@ class MooncakeKVManager(PDKVManager):
         return self.control.send(peer, MsgKind.NOTIF, {"tag": tag.decode()})
 
 
-class MooncakeKVSender(NixlKVSender):
+class MooncakeKVSender(PDKVSender):
     """Prefill side of one room (the shared sender, on a MooncakeKVManager)."""
 
 
-class MooncakeKVReceiver(NixlKVReceiver):
+class MooncakeKVReceiver(PDKVReceiver):
     """Decode side of one room (the shared receiver, on a MooncakeKVManager)."""
 
 

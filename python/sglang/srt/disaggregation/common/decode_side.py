@@ -1,4 +1,4 @@
-"""Decode half of NixlKVManager: bootstrap lookup, registration, claims, requests, notifications.
+"""Decode half of PDKVManager: bootstrap lookup, registration, claims, requests, notifications.
 
 Mixed into ``PDKVManager``; uses its ``_lock``, ``transport``, ``control``, ``args``, ``trust`` and
 ``lookups``. Mutates ``self.decode_rooms``, ``self.registered_prefill``, ``self.bootstrap_cache``
@@ -28,7 +28,7 @@ from sglang.srt.disaggregation.common.messages import MalformedMessage, Message,
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, required_dst_info_num
 from sglang.srt.disaggregation.common.staging import SliceLayout
 from sglang.srt.disaggregation.common.trust import BootstrapAddr
-from sglang.srt.disaggregation.nixl.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
+from sglang.srt.disaggregation.common.status import DecodeRoom, DecodeTarget, StagedSlice, TransferStatus
 
 logger = logging.getLogger(__name__)
 

@@ -166,7 +166,7 @@ class PrefillRoom:
     transfer_started: float | None = None
     handles: list[Transfer] = field(default_factory=list)
     failure: str | None = None
-    has_sender: bool = False  # a NixlKVSender drives it (else decode requests opened it)
+    has_sender: bool = False  # a sender (PDKVSender) drives it (else decode requests opened it)
 
     @property
     def ready(self) -> bool:

@@ -1,4 +1,4 @@
-"""Prefill half of NixlKVManager: decode registrations, claims, requests, chunk sends and room
+"""Prefill half of PDKVManager: decode registrations, claims, requests, chunk sends and room
 polling.
 
 Mixed into ``PDKVManager``; uses its ``_lock``, ``transport``, ``control``, ``args`` and the
@@ -23,7 +23,7 @@ from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif, NotifKind
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, required_dst_info_num, state_slice
 from sglang.srt.disaggregation.common.staging import SliceLayout
-from sglang.srt.disaggregation.nixl.status import DstInfo, PrefillRoom
+from sglang.srt.disaggregation.common.status import DstInfo, PrefillRoom
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,8 @@ class PrefillSideMixin:
                     failed = failed or (transfer if state == "ERR" else None)
             room.handles = pending  # finished transfers leave before a failure releases the rest
             if failed is not None:
-                self._fail_prefill_room(room, f"{self.transport.backend.upper()} transfer to {failed.agent_name} failed")
+                backend = self.transport.backend.upper()
+                self._fail_prefill_room(room, f"{backend} transfer to {failed.agent_name} failed")
                 return KVPoll.Failed
             if room.last_posted and not pending:
                 return KVPoll.Success

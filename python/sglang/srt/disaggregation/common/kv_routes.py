@@ -1,6 +1,6 @@
 """Prefill half of KV movement: which route a chunk takes to one destination, and its bytes.
 
-Mixed into ``NixlKVManager``; uses its ``args``, ``staging``, ``copier``, ``copy_thread``, ``config``,
+Mixed into ``PDKVManager``; uses its ``args``, ``staging``, ``copier``, ``copy_thread``, ``config``,
 ``_post``, ``_track``, ``check`` and ``finish``, and counts every posted WRITE in ``route_counts``.
 Staged routes come back from ``send_kvcache`` as pieces; ``post_pieces`` posts the pieces of all
 destinations of a chunk as one pipeline (each gather one piece ahead of the WRITEs).
@@ -31,13 +31,13 @@ from sglang.srt.disaggregation.common.descriptors import (
     staged_run_descs,
 )
 from sglang.srt.disaggregation.common.messages import Notif, NotifKind
-from sglang.srt.disaggregation.nixl.status import DstInfo, PrefillRoom
+from sglang.srt.disaggregation.common.status import DstInfo, PrefillRoom
 
 logger = logging.getLogger(__name__)
 
 
 class KVRoute(str, Enum):
-    """How a WRITE carried KV (counted per WRITE in ``NixlKVManager.route_counts``)."""
+    """How a WRITE carried KV (counted per WRITE in ``PDKVManager.route_counts``)."""
 
     PAGES = "pages"  # runs of whole pages straight into the decode's pool
     PACKED = "packed"  # gathered into local staging, one run per buffer into the decode's staging
@@ -207,7 +207,7 @@ class KVRoutesMixin:
         TP, MHA/GQA: ``decode_peers[peer_name]["head_slice"]``, fixed when it registered) from
         this rank's pages ``prefill_kv_indices`` into its pages ``dst_kv_indices`` (page ids,
         paired in order), with notification ``notif`` (None: none). Returns the posted Transfer
-        (None when there is nothing to move); KVTransferError when NIXL refuses, ValueError on an
+        (None when there is nothing to move); KVTransferError when the transport refuses, ValueError on an
         unknown peer, one this rank holds no heads for, or page lists of different lengths."""
         peer = self.decode_peers.get(peer_name)
         if peer is None:
