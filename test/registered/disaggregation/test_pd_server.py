@@ -190,7 +190,7 @@ def test_bootstrap_port_in_use_stops_the_prefill_server(cluster):
 
 @pytest.mark.parametrize("flags, words", [
     ({"disaggregation_mode": "both"}, ["--disaggregation-mode", "null, prefill, decode"]),
-    ({"disaggregation_transfer_backend": "mooncake"}, ["--disaggregation-transfer-backend", "nixl"]),
+    ({"disaggregation_transfer_backend": "mori"}, ["--disaggregation-transfer-backend", "nixl, mooncake"]),
     ({"disaggregation_mode": "prefill", "port": 8998}, ["--disaggregation-bootstrap-port 8998", "--port"]),
     ({"disaggregation_mode": "decode", "device": "cuda"}, ["--device cuda", "host (DRAM)"]),
     ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 0}, ["--disaggregation-bootstrap-port 0"]),
@@ -201,6 +201,21 @@ def test_impossible_flag_combinations_are_refused(flags, words):
     with pytest.raises(ValueError) as info:
         ServerArgs(model_path="/nonexistent", **flags)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+
+def test_mooncake_backend_checks_its_own_engine_at_startup(monkeypatch):
+    import sys
+
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # mooncake needs no NIXL
+    args = ServerArgs(model_path="/nonexistent", disaggregation_mode="prefill",
+                      disaggregation_transfer_backend="mooncake")
+    assert args.disaggregation_transfer_backend == "mooncake"
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # the wheel missing: refused at startup
+    with pytest.raises(ValueError, match="libibverbs1"):
+        ServerArgs(model_path="/nonexistent", disaggregation_mode="decode", disaggregation_transfer_backend="mooncake")
 
 
 if __name__ == "__main__":
