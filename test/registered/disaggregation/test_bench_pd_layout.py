@@ -14,7 +14,7 @@ from sglang.srt.disaggregation.common.descriptors import page_runs
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import REPO_ROOT
 
-register_cpu_ci(est_time=10, suite="per-commit-cpu")
+register_cpu_ci(est_time=10, suite="nightly-cpu")
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "scripts", "bench"))
 import bench_pd_transfer as bench  # noqa: E402

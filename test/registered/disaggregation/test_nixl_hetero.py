@@ -26,7 +26,7 @@ from sglang.srt.disaggregation.nixl.conn import (
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=15, suite="per-commit-cpu")
+register_cpu_ci(est_time=15, suite="nightly-cpu")
 
 NO_STAGING = {"staging_bytes": 0}
 DIRECT = {"descriptor_cost_bytes": 0}  # stage only what would otherwise go per token

@@ -11,7 +11,7 @@ from pd_cluster import check_pd_pair, reference_server
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
-register_cpu_ci(est_time=45, suite="per-commit-cpu")
+register_cpu_ci(est_time=45, suite="nightly-cpu")
 
 PROMPTS = [[10 + (i * 17 + k * 5) % 800 for i in range(30 + 25 * k)] for k in range(3)]
 

@@ -27,7 +27,7 @@ from sglang.test.hf_reference import DSV4_ZERO_INITS, randomize_zero_inits
 
 transformers = pytest.importorskip("transformers")
 
-register_cpu_ci(est_time=30, suite="per-commit-cpu")
+register_cpu_ci(est_time=30, suite="nightly-cpu")
 
 
 @pytest.fixture(scope="module")

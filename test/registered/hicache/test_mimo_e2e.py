@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
-register_cpu_ci(est_time=25, suite="per-commit-cpu")
+register_cpu_ci(est_time=25, suite="nightly-cpu")
 
 WINDOW = 40  # the tiny config's sliding window
 

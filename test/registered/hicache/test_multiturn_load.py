@@ -26,7 +26,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
-register_cpu_ci(est_time=35, suite="per-commit-cpu")
+register_cpu_ci(est_time=35, suite="nightly-cpu")
 
 WORKLOAD = {"clients": 8, "rounds": 4, "system_len": 600, "question_len": 80, "max_new": 24}
 COMMON = ["--page-size", "16", "--context-length", "2048", "--max-total-tokens", "1100"]
