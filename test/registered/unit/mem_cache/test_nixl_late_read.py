@@ -8,10 +8,9 @@ plugin moves the bytes inside those polls), so the timeout needs no timing windo
 while the gate is shut, and the late transfer lands when the test opens it."""
 
 import threading
-import time
 
 import torch
-from tree_fixtures import assert_kv, make_hicache, start_request
+from tree_fixtures import assert_kv, make_hicache, start_request, wait_for
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.controller.storage_ops import PrefetchState
@@ -22,7 +21,6 @@ register_cpu_ci(est_time=5, suite="per-commit-cpu")
 
 T = list(range(100, 108))  # four pages of two tokens
 U = list(range(200, 208))
-DEADLINE_S = 30
 
 
 class GatedAgent:
@@ -59,14 +57,6 @@ def serve(h, tokens):
     h.storage.synchronize()
     h.check_hicache_events()
     return r
-
-
-def wait_for(h, cond, what):
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        h.check_hicache_events()
-        time.sleep(0.005)
 
 
 def prefetch(h, rid):

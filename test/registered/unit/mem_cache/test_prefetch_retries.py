@@ -5,13 +5,12 @@ before the answer; not a stop on a time budget, a hit or a prefetch too short to
 re-issued check finds pages stored after the first one, and that two TP ranks arm on the
 agreed verdict (one rank finding the pages does not split them)."""
 
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 from storage_test_backends import scripted_extra
-from tree_fixtures import make_hicache, start_request
+from tree_fixtures import make_hicache, start_request, wait_for
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
@@ -27,7 +26,6 @@ register_cpu_ci(est_time=6, suite="per-commit-cpu")
 
 T = list(range(100, 116))  # 8 pages of 2 tokens
 THRESHOLD = 4
-DEADLINE_S = 20
 
 
 def retries(interval=3, max_attempts=8) -> StoragePrefetchRetries:
@@ -103,14 +101,6 @@ def store_in_l3(tmp_path, tokens):
     other.check_hicache_events()
     other.reset()
     other.cache_controller.close()
-
-
-def wait_for(h, cond, what):
-    deadline = time.monotonic() + DEADLINE_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        h.check_hicache_events()
-        time.sleep(0.002)
 
 
 def answered(h, rid):

@@ -329,3 +329,13 @@ def mamba_l3_filled(tmp_path, **kwargs):
     env.flush()
     kv_ab = {c: torch.cat([kv_a[c], kv_b[c][:, len(MAMBA_A):]], dim=1) for c in kv_a}
     return env, kv_ab, state_a, state_b, hashes
+
+
+def wait_for(cache, cond, what: str, deadline_s: float = 30.0) -> None:
+    """Drive the tree's per-step checks (``check_hicache_events``) until ``cond()``; fail naming
+    ``what`` after ``deadline_s`` (a bound on a hang, not a timing window)."""
+    deadline = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        cache.check_hicache_events()
+        time.sleep(0.002)
