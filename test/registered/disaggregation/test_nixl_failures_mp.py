@@ -13,7 +13,7 @@ from mp_harness import Cluster
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="per-commit-cpu")
+register_cpu_ci(est_time=20, suite="nightly-cpu")
 
 HB_TIMEOUT = 3.0
 SLACK = 20.0  # generous: tells the heartbeat (HB_TIMEOUT) apart from a hang, not how fast it fired

@@ -13,7 +13,7 @@ from mp_harness import Cluster
 from sglang.srt.disaggregation.base import KVPoll
 from sglang.test.ci.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=45, suite="per-commit-cpu")
+register_cpu_ci(est_time=45, suite="nightly-cpu")
 
 
 def _check_success(reports: dict, prefill_tp: int, decode_tp: int, cfg_pages: int = 7) -> None:

@@ -17,7 +17,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.router_utils import launch_pd_router
 
-register_cpu_ci(est_time=15, suite="per-commit-cpu")
+register_cpu_ci(est_time=15, suite="nightly-cpu")
 
 SECRET = {"SGLANG_DISAGGREGATION_SECRET": "pd-deployment-secret-0123456789abcdef"}
 PROMPT = [11 + (i * 29) % 700 for i in range(40)]

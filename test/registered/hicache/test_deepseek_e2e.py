@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool.base import PoolKind
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 
-register_cpu_ci(est_time=45, suite="per-commit-cpu")
+register_cpu_ci(est_time=45, suite="nightly-cpu")
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3", "deepseek_v32"])

@@ -17,7 +17,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.mooncake_master import MooncakeMaster, mooncake_or_skip
 from sglang.test.server_utils import launch_server_process
 
-register_cpu_ci(est_time=25, suite="per-commit-cpu")
+register_cpu_ci(est_time=25, suite="nightly-cpu")
 
 COMMON = ["--page-size", "4", "--context-length", "2048"]
 SMALL_DEVICE = ["--max-total-tokens", "512", "--enable-hierarchical-cache", "--hicache-ratio", "8"]
