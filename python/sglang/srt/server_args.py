@@ -3,8 +3,10 @@
 The dataclass is the one source of defaults: ``add_cli_args`` builds the argparse parser from
 its fields (``--model-path`` for ``model_path``), and ``from_cli_args`` builds it back.
 ``__post_init__`` validates each field and each combination; an error names the flag, the
-value and what is allowed. The one rewrite it makes is upstream's: ``--hicache-io-backend
-direct`` with ``--hicache-mem-layout page_first`` becomes ``page_first_direct`` (warning).
+value and what is allowed. It makes two rewrites: upstream's, ``--hicache-io-backend direct``
+with ``--hicache-mem-layout page_first`` becomes ``page_first_direct`` (warning), and
+``--disaggregation-decode-enable-offload-kvcache`` turns on ``--enable-hierarchical-cache``
+(the host tier is that offload's staging buffer; upstream builds a separate one).
 """
 
 from __future__ import annotations
@@ -146,6 +148,11 @@ class ServerArgs:
     disaggregation_ib_device: str | None = opt(None, "mooncake: the RDMA device(s) of its transfer engine, "
                                                "e.g. mlx5_0 (default: Mooncake chooses); nixl: no effect, UCX "
                                                "picks the network devices itself (set UCX_NET_DEVICES)")
+    disaggregation_decode_enable_offload_kvcache: bool = opt(
+        False, "decode: write the KV of every finished request (prompt and generated tokens, whole pages) to "
+        "the L3 storage of --hicache-storage-backend, under the keys a prefill server computes, so the next "
+        "turn's prefill on a server sharing that storage finds it; turns on this server's host tier "
+        "(write_through) as the staging buffer (docs/pd_transfer.md, Decode-side offload)")
     # KV cache events for KV-aware routers (docs/server.md, KV cache events)
     kv_events_config: str | None = opt(None, "publish the tree's KV cache events: a JSON object, e.g. "
                                        "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' "
@@ -156,6 +163,7 @@ class ServerArgs:
         self._check_choices()
         self._check_layout()
         self._check_eviction()
+        self._resolve_decode_offload()
         self._check_hicache()
         self._check_host_memory_mode()
         self._check_disaggregation()
@@ -214,6 +222,32 @@ class ServerArgs:
             check_policy_config(policy, self.eviction_policy_config)
         except ValueError as exc:
             raise ValueError(f"--radix-eviction-policy-config: {exc}") from None
+
+    def _resolve_decode_offload(self) -> None:
+        """--disaggregation-decode-enable-offload-kvcache: decode only, with an L3 backend; it
+        implies --enable-hierarchical-cache (upstream does not ask for it either): the host tier
+        is the staging buffer of the device -> host -> L3 write (docs/pd_transfer.md)."""
+        if not self.disaggregation_decode_enable_offload_kvcache:
+            return
+        flag = "--disaggregation-decode-enable-offload-kvcache"
+        if self.disaggregation_mode != "decode":
+            raise ValueError(f"{flag} is only for --disaggregation-mode decode, not {self.disaggregation_mode!r}: "
+                             "a prefill or plain server writes its KV to L3 with --enable-hierarchical-cache "
+                             "--hicache-storage-backend")
+        if self.hicache_storage_backend is None:
+            raise ValueError(f"{flag} needs --hicache-storage-backend: the decode server writes finished KV to "
+                             "that L3 storage, which the prefill servers must share")
+        if self.disable_radix_cache:
+            raise ValueError(f"{flag} needs the radix cache (its pages are keyed by the tree's page hashes); "
+                             "drop --disable-radix-cache")
+        if self.hicache_write_policy != WritePolicy.WRITE_THROUGH.value:
+            raise ValueError(f"{flag} needs --hicache-write-policy write_through, not "
+                             f"{self.hicache_write_policy!r}: a finished request's pages are copied to the host "
+                             "tier and on to L3 when it ends; the other policies copy only on repeated hits or "
+                             "on eviction, after the next turn's prefill looked")
+        if not self.enable_hierarchical_cache:
+            logger.info("%s: enabling the host tier (--enable-hierarchical-cache) as its staging buffer", flag)
+            self.enable_hierarchical_cache = True
 
     def _check_hicache(self) -> None:
         if not self.enable_hierarchical_cache:

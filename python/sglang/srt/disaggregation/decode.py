@@ -16,7 +16,10 @@ has seen the abort (and any posted write has landed: milliseconds), and a prefil
 stopped is dead. Quarantined pages count as held (integrity check, reservations).
 
 Decode-side prefix caching is not done: every prompt's KV comes from prefill (finished
-requests still give their KV to this server's tree, which only evicts it).
+requests still give their KV to this server's tree, which only evicts it). With
+``--disaggregation-decode-enable-offload-kvcache`` that tree has a host tier and L3, and what
+finished requests give it is written on to L3 for the next turn's prefill
+(``decode_kvcache_offload_manager.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class DecodeDisagg(DisaggBase):
         # (free-after deadline, request row, request): pages a late prefill write may still reach
         self.quarantine: list[tuple[float, int, Req]] = []
         self.quarantine_s = self.mgr.config.heartbeat_timeout_s
+        self.offload = None  # writes finished requests' KV to L3 (--disaggregation-decode-enable-offload-kvcache)
+        if getattr(scheduler.args, "disaggregation_decode_enable_offload_kvcache", False):
+            from sglang.srt.disaggregation.decode_kvcache_offload_manager import DecodeKVCacheOffloadManager
+
+            self.offload = DecodeKVCacheOffloadManager(scheduler.tree_cache, self.page_size)
 
     # ---- scheduler interface -------------------------------------------------------------------
     def add_request(self, req: Req, msg) -> bool:
@@ -75,6 +83,8 @@ class DecodeDisagg(DisaggBase):
             self._poll_transfer()
 
     def intercept_finish(self, req: Req) -> bool:
+        if self.offload is not None:
+            self.offload.offload_kv_cache(req)  # the tree takes its KV next, which queues the writes
         return False
 
     def abort(self, rid: str) -> bool:
@@ -97,7 +107,8 @@ class DecodeDisagg(DisaggBase):
 
     def info(self) -> dict:
         return {**super().info(), "pd_prealloc_queue": len(self.prealloc), "pd_transfer_queue": len(self.transfer),
-                "pd_memory_waits": self.num_memory_waits, "pd_quarantined": len(self.quarantine)}
+                "pd_memory_waits": self.num_memory_waits, "pd_quarantined": len(self.quarantine),
+                **(self.offload.info() if self.offload is not None else {})}
 
     # ---- queues --------------------------------------------------------------------------------
     def _poll_prealloc(self) -> None:

@@ -202,3 +202,28 @@ def test_pass_prefix_keys_is_a_controller_key():
 def test_the_npu_layout_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="page_first_kv_split is refused: it is upstream's Ascend NPU layout"):
         args("--enable-hierarchical-cache", "--hicache-mem-layout", "page_first_kv_split")
+
+
+@pytest.mark.parametrize("argv, words", [
+    ([], ["--disaggregation-decode-enable-offload-kvcache", "only for --disaggregation-mode decode", "'null'"]),
+    (["--disaggregation-mode", "prefill", "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+     ["--disaggregation-decode-enable-offload-kvcache", "only for --disaggregation-mode decode", "'prefill'"]),
+    (["--disaggregation-mode", "decode"],
+     ["--disaggregation-decode-enable-offload-kvcache needs --hicache-storage-backend", "prefill servers"]),
+    (["--disaggregation-mode", "decode", "--hicache-storage-backend", "file", "--disable-radix-cache"],
+     ["--disaggregation-decode-enable-offload-kvcache needs the radix cache", "--disable-radix-cache"]),
+    (["--disaggregation-mode", "decode", "--hicache-storage-backend", "file", "--hicache-write-policy", "write_back"],
+     ["--disaggregation-decode-enable-offload-kvcache needs --hicache-write-policy write_through", "'write_back'"]),
+])
+def test_decode_offload_is_refused_without_decode_mode_and_l3(argv, words):
+    with pytest.raises(ValueError) as err:
+        args("--disaggregation-decode-enable-offload-kvcache", *argv)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_decode_offload_turns_on_the_host_tier_as_its_staging_buffer():
+    parsed = args("--disaggregation-mode", "decode", "--disaggregation-decode-enable-offload-kvcache",
+                  "--hicache-storage-backend", "file")  # upstream's command line: no --enable-hierarchical-cache
+    assert parsed.enable_hierarchical_cache and parsed.hicache_storage_backend == "file"
+    assert not args("--disaggregation-mode", "decode").disaggregation_decode_enable_offload_kvcache

@@ -1,0 +1,111 @@
+"""Decode-side offload through the real router: with --disaggregation-decode-enable-offload-kvcache
+the decode server writes each finished turn's KV (prompt and answer) to the file L3 it shares with
+the prefill server (HiCache on), so the next turn's prefill gets storage hits covering the
+previous answer, which that prefill server never computed. Outputs equal a plain server's. The
+decode server is started with upstream's command line (the flag and --hicache-storage-backend,
+no --enable-hierarchical-cache). Without the flag the same workload gets no storage hit."""
+
+import json
+import random
+import time
+
+import pytest
+import requests
+
+from pd_cluster import decode_flags, free_ports, launch_servers, prefill_flags, scheduler_info, wait_settled
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.engine_utils import make_tiny_model
+from sglang.test.router_utils import launch_pd_router
+
+register_cpu_ci(est_time=40, suite="nightly-cpu")
+
+P = 4  # page size
+CONVERSATIONS, TURNS, MAX_NEW = 2, 3, 9
+
+
+def storage_flags(l3: str) -> tuple[str, ...]:
+    # wait_complete: a turn's prefill waits for its whole L3 read (the test counts every hit page);
+    # prefetch_threshold 4: these prompts are far below the default 256 tokens
+    return ("--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config", json.dumps({"storage_dir": l3, "prefetch_threshold": 4}))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
+    l3 = str(tmp_path_factory.mktemp("l3"))
+    (bootstrap_port,) = free_ports(1)
+    servers = launch_servers(model, [
+        ("--page-size", str(P)),
+        prefill_flags(bootstrap_port, "--page-size", str(P), "--enable-hierarchical-cache", *storage_flags(l3)),
+        decode_flags("--page-size", str(P), "--disaggregation-decode-enable-offload-kvcache", *storage_flags(l3)),
+    ], log_dir=(logs := str(tmp_path_factory.mktemp("logs"))))
+    single, prefill, decode = servers
+    router = None
+    try:
+        router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=logs)
+        yield {"single": single, "prefill": prefill, "decode": decode, "router": router}
+    finally:
+        for proc in (router, *servers):
+            if proc is not None:
+                proc.stop()
+
+
+def generate(url: str, input_ids: list[int]) -> list[int]:
+    body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0,
+                                                        "ignore_eos": True}}
+    resp = requests.post(url + "/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text[:500]
+    return resp.json()["output_ids"]
+
+
+def wait_offloaded(decode, idle_checks_before: int, timeout: float = 30) -> dict:
+    """The decode server's scheduler once it ran an idle check after ``idle_checks_before``: the
+    idle check runs only when no host write or L3 backup is in flight, so the turn's KV is in L3."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = scheduler_info(decode)
+        if info["counters"]["num_idle_checks"] > idle_checks_before:
+            return info
+        assert time.monotonic() < deadline, f"decode did not settle: {info['disaggregation']} {info['storage']}"
+        time.sleep(0.05)
+
+
+def test_next_turn_prefill_hits_the_answer_decode_offloaded(cluster):
+    single, prefill, decode, router = (cluster[k] for k in ("single", "prefill", "decode", "router"))
+    rng = random.Random(0)
+    histories = [[rng.randrange(3, 999) for _ in range(30 + 3 * c)] for c in range(CONVERSATIONS)]
+    previous: list[tuple[int, int] | None] = [None] * CONVERSATIONS  # (prompt length, answer length)
+    answer_storage_tokens = 0
+    for turn in range(TURNS):
+        for c in range(CONVERSATIONS):
+            prompt = histories[c]
+            before = scheduler_info(prefill)["counters"]["cached_tokens"]
+            idle_before = scheduler_info(decode)["counters"]["num_idle_checks"]
+            got = generate(router.url, prompt)
+            assert got == generate(single.url, prompt), f"conversation {c} turn {turn}"
+            after = scheduler_info(prefill)["counters"]["cached_tokens"]
+            hits = {tier: after[tier] - before[tier] for tier in after}
+            if previous[c] is not None:
+                n_prompt, n_answer = previous[c]
+                # decode stored the whole pages of the previous prompt + answer but its last token
+                # (sampled, never run); prefill itself computed only the previous prompt
+                want = (n_prompt + n_answer - 1) // P * P
+                assert sum(hits.values()) == want, (c, turn, hits, want)
+                assert hits["storage"] >= want - n_prompt // P * P > 0, (c, turn, hits)
+                answer_storage_tokens += want - n_prompt // P * P
+            previous[c] = (len(prompt), len(got))
+            histories[c] = prompt + got + [rng.randrange(3, 999) for _ in range(5)]
+            info = wait_offloaded(decode, idle_before)
+            assert info["storage"].get("failures", 0) == 0, info["storage"]
+    pd = wait_settled(decode)["disaggregation"]
+    assert pd["pd_offload_requests"] >= CONVERSATIONS * TURNS and pd["pd_offload_pages"] > 0, pd
+    assert answer_storage_tokens > 0
+    for srv in (prefill, decode):
+        info = wait_settled(srv)
+        assert info["disaggregation"]["pd_failed"] == 0 and info["counters"]["num_idle_checks"] > 0
+        assert srv.get("/health").status_code == 200
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
