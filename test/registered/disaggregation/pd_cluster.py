@@ -137,8 +137,9 @@ def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, pro
     router = None
     try:
         router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=log_dir)
-        for prompt in prompts:
-            assert generate_ids(router.url, prompt, 16) == generate_ids(ref_url, prompt, 16)
+        for i, prompt in enumerate(prompts):
+            got, want = generate_ids(router.url, prompt, 16), generate_ids(ref_url, prompt, 16)
+            assert got == want, f"prompt {i}: PD {got} vs reference {want}"
         _multi_turn(router.url, ref_url, prompts)
         for srv in (prefill, decode):
             info = wait_settled(srv)

@@ -13,7 +13,9 @@ once; its pages and row stay in **quarantine** for ``heartbeat_timeout_s`` befor
 prefill may already have posted a write into them, which NIXL cannot cancel, and a page reused by
 another request before that write lands would feed it foreign KV. Within that time a live prefill
 has seen the abort (and any posted write has landed: milliseconds), and a prefill whose heartbeats
-stopped is dead. Quarantined pages count as held (integrity check, reservations).
+stopped is dead. Quarantined pages count as held (integrity check, reservations). A state model's
+request also takes a state slot, which prefill fills with the state after the prompt; it is
+quarantined and freed with the pages.
 
 Decode-side prefix caching is not done: every prompt's KV comes from prefill (finished
 requests still give their KV to this server's tree, which only evicts it). With
@@ -28,7 +30,7 @@ import logging
 import time
 
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.scheduler_side import DisaggBase
+from sglang.srt.disaggregation.common.scheduler_side import DisaggBase, take_state_slot
 from sglang.srt.disaggregation.common.trust import BootstrapAddr
 from sglang.srt.disaggregation.utils import agreed_polls, get_kv_class, page_ids_of
 from sglang.srt.distributed import tensor_model_parallel_cpu_all_reduce_min
@@ -119,7 +121,7 @@ class DecodeDisagg(DisaggBase):
                 self._drop(req, receiver)
             elif state is KVPoll.WaitingForInput and not memory_short and self._allocate(req):
                 pages = page_ids_of(req.kv_indices, self.page_size)
-                receiver.init(pages, aux_index=req.req_pool_idx)
+                receiver.init(pages, aux_index=req.req_pool_idx, state_indices=req.mamba_pool_idx)
                 self.transfer.append((req, receiver))
             else:
                 if state is KVPoll.WaitingForInput:
@@ -155,6 +157,8 @@ class DecodeDisagg(DisaggBase):
         own_pages = num_pages(n + max(req.sampling_params.max_new_tokens - 1, 0), P)
         room = self.runner.token_to_kv_pool_allocator.available_size() + tree.evictable_size()
         if own_pages * P > room - sched._reserved_tokens():
+            return False
+        if sched.mamba is not None and not take_state_slot(sched.mamba, req, n):
             return False
         req.prefix_indices, req.kv_indices, req.last_node = empty_indices(), empty_indices(), tree.root_node
         req.max_pages, req.pages_allocated = own_pages, 0
@@ -194,6 +198,8 @@ class DecodeDisagg(DisaggBase):
         if req.req_pool_idx is None:
             return
         self.sched.tree_cache.cache_finished_req(req, is_insert=False)
+        if self.sched.mamba is not None:
+            self.sched.mamba.on_finished(req)  # its state slot (held through quarantine too)
         self.runner.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 

@@ -6,7 +6,7 @@ has handed over its destination pages (every TP rank agrees, see ``agreed_polls`
 the scheduler's waiting queue and is prefilled like any request, prefix reuse included (device
 tree, HiCache host and L3 hits), with at most one output token: the first token, which decode
 needs. When the scheduler finishes it, the request's first token goes into its aux row, its prompt
-pages are sent, and it stays in the inflight queue holding those pages (its own pages and its
+pages are sent (with its state slot, for a state model: ``common/pool_plan.py``), and it stays in the inflight queue holding those pages (its own pages and its
 locked prefix) until the transfer ended; then the scheduler finishes it for real (its KV goes to
 the tree) and the prefill response is sent. A failed transfer finishes it aborted, with the
 reason, and no tokens.
@@ -89,7 +89,8 @@ class PrefillDisagg(DisaggBase):
         self.aux.write(row, token, logprob, top)
         pages = page_ids_of(req.kv_indices[: len(req.origin_input_ids)], self.page_size)
         sender.init(int(pages.numel()), aux_index=row)
-        sender.send(pages)
+        # a state model's request slot holds the state after the whole prompt: it goes with the last chunk
+        sender.send(pages, req.mamba_pool_idx if self.kv_args.state_data_ptrs else None)
         self.inflight.append((req, sender))
         return True
 

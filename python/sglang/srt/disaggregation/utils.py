@@ -162,22 +162,21 @@ class FirstTokenAux:
 
 
 def build_kv_args(runner, aux: FirstTokenAux) -> KVArgs:
-    """KVArgs over the runner's device KV pool plus the first-token aux buffers.
+    """KVArgs over the runner's device pools (anchor, sidecars, state pool: ``common/pool_plan.py``)
+    plus the first-token aux buffers.
 
-    Raises ValueError naming what is missing for pools PD transfer cannot move yet (sidecar
-    pools, Mamba state) or for a device pool outside host memory (NIXL registers DRAM here).
+    Raises ValueError naming what is missing for pools PD transfer cannot move together, or for a
+    device pool outside host memory (NIXL registers DRAM here).
     """
-    if getattr(runner, "side_pools", None):
-        kinds = ", ".join(str(getattr(k, "value", k)) for k in runner.side_pools)
-        raise ValueError(f"PD serving moves one KV pool per rank; this model also has sidecar pools ({kinds})")
-    if getattr(runner, "state_pool", None) is not None:
-        raise ValueError("PD serving of models with per-request state (Mamba) is not wired into the scheduler yet")
+    from sglang.srt.disaggregation.common.pool_plan import kv_args_of_pools
+
     if runner.device.type != "cpu":
         raise ValueError(f"PD serving registers the KV pool as host memory; --device {runner.device.type} "
                          "is not supported with --disaggregation-mode yet")
     total_heads = int(getattr(runner.model_config.hf_config, "num_key_value_heads", 0) or 0)
-    return KVArgs.from_pools(runner.token_to_kv_pool, engine_rank=runner.tp_rank, tp_rank=runner.tp_rank,
-                             tp_size=runner.tp_size, total_kv_head_num=total_heads, aux_buffers=aux.buffers)
+    return kv_args_of_pools(runner.token_to_kv_pool, list(getattr(runner, "side_pools", {}).values()),
+                            getattr(runner, "state_pool", None), engine_rank=runner.tp_rank, tp_rank=runner.tp_rank,
+                            tp_size=runner.tp_size, total_kv_head_num=total_heads, aux_buffers=aux.buffers)
 
 
 def page_ids_of(kv_indices: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -362,6 +362,7 @@ class Qwen3NextForCausalLM(ModelSpec, CausalLM):
         conv_channels = 2 * nk * hf.linear_key_head_dim + nv * hf.linear_value_head_dim
         state = PoolSpec(PoolKind.MAMBA, {
             "conv_state_shapes": [(conv_channels, hf.linear_conv_kernel_dim - 1)],
+            "conv_state_segments": [(nk * hf.linear_key_head_dim,) * 2 + (nv * hf.linear_value_head_dim,)],
             "temporal_state_shape": (nv, hf.linear_key_head_dim, hf.linear_value_head_dim),
             "num_mamba_layers": len(linear), "conv_dtype": dtype, "ssm_dtype": torch.float32,
         })

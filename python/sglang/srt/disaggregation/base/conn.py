@@ -68,7 +68,9 @@ class KVArgs:
     ONE token slot of one layer; page p of buffer i starts at ``kv_data_ptrs[i] + p * page_size *
     kv_item_lens[i]``. ``aux_*``: one row (``aux_item_lens[i]`` bytes) per request slot.
     ``state_*``: one item per request slot; ``state_dim_per_tensor[i]`` is the size of the
-    TP-sharded dimension (dim 0 of the item) of state buffer i on this rank.
+    TP-sharded dimension (dim 0 of the item) of state buffer i on this rank;
+    ``state_row_segments[i]``: how those rows split into segments sharded across TP separately
+    (empty: one segment per buffer).
     """
 
     engine_rank: int
@@ -92,6 +94,7 @@ class KVArgs:
     state_data_lens: list[int] = field(default_factory=list)
     state_item_lens: list[int] = field(default_factory=list)
     state_dim_per_tensor: list[int] = field(default_factory=list)
+    state_row_segments: list[tuple[int, ...]] = field(default_factory=list)
     pp_rank: int = 0
     pp_size: int = 1
 
@@ -132,6 +135,13 @@ class KVArgs:
         for i, (item, dim) in enumerate(zip(self.state_item_lens, self.state_dim_per_tensor)):
             if dim < 1 or item % dim:
                 raise ValueError(f"state buffer {i}: item of {item} bytes does not split into {dim} rows")
+        self.state_row_segments = [tuple(int(r) for r in seg) for seg in self.state_row_segments] or [
+            (dim,) for dim in self.state_dim_per_tensor]
+        if len(self.state_row_segments) != len(self.state_dim_per_tensor) or any(
+                sum(seg) != dim or min(seg, default=0) < 1
+                for seg, dim in zip(self.state_row_segments, self.state_dim_per_tensor)):
+            raise ValueError(f"KVArgs.state_row_segments {self.state_row_segments} must split each of "
+                             f"state_dim_per_tensor {self.state_dim_per_tensor} into positive row counts")
 
     @property
     def effective_total_kv_head_num(self) -> int:
@@ -154,24 +164,36 @@ class KVArgs:
         is_mla = hasattr(kv_pool, "kv_lora_rank")
         head_num = 1 if is_mla else kv_pool.head_num
         head_dim = kv_pool.kv_cache_dim if is_mla else kv_pool.head_dim
-        kw = {}
-        if state_pool is not None:
-            sp, sl, si = state_pool.get_contiguous_buf_infos()
-            dims = [c.item_shape[0] for c in state_pool.components for _ in range(state_pool.layer_num)]
-            kw = dict(state_type=StateType.MAMBA, state_data_ptrs=sp, state_data_lens=sl,
-                      state_item_lens=si, state_dim_per_tensor=dims)
-        for t in aux_buffers:
-            if not t.is_contiguous() or t.dim() < 1:
-                raise ValueError(f"aux buffer must be a contiguous tensor with a row dim, got shape {tuple(t.shape)}")
         return cls(
             engine_rank=engine_rank, kv_data_ptrs=ptrs, kv_data_lens=lens, kv_item_lens=items,
             page_size=kv_pool.page_size, kv_head_num=head_num, head_dim=head_dim,
             layer_num=kv_pool.layer_num, kv_dtype=str(kv_pool.dtype).removeprefix("torch."),
             tp_rank=tp_rank, tp_size=tp_size, total_kv_head_num=0 if is_mla else total_kv_head_num,
-            is_mla=is_mla, aux_data_ptrs=[t.data_ptr() for t in aux_buffers],
-            aux_data_lens=[t.numel() * t.element_size() for t in aux_buffers],
-            aux_item_lens=[t[0].numel() * t.element_size() for t in aux_buffers], **kw,
+            is_mla=is_mla, **aux_fields(aux_buffers), **state_fields(state_pool),
         )
+
+
+def state_fields(state_pool) -> dict:
+    """KVArgs' ``state_*`` fields over a MambaPool (one buffer per component and layer,
+    component-major; dim 0 of each item is TP-sharded by ``row_segments``); {} for None."""
+    if state_pool is None:
+        return {}
+    ptrs, lens, items = state_pool.get_contiguous_buf_infos()
+    comps = [c for c in state_pool.components for _ in range(state_pool.layer_num)]
+    segments = getattr(state_pool, "row_segments", {})
+    return dict(state_type=StateType.MAMBA, state_data_ptrs=ptrs, state_data_lens=lens, state_item_lens=items,
+                state_dim_per_tensor=[c.item_shape[0] for c in comps],
+                state_row_segments=[segments.get(c.name, (c.item_shape[0],)) for c in comps])
+
+
+def aux_fields(aux_buffers) -> dict:
+    """KVArgs' ``aux_*`` fields over contiguous tensors shaped (num_request_slots, ...)."""
+    for t in aux_buffers:
+        if not t.is_contiguous() or t.dim() < 1:
+            raise ValueError(f"aux buffer must be a contiguous tensor with a row dim, got shape {tuple(t.shape)}")
+    return dict(aux_data_ptrs=[t.data_ptr() for t in aux_buffers],
+                aux_data_lens=[t.numel() * t.element_size() for t in aux_buffers],
+                aux_item_lens=[t[0].numel() * t.element_size() for t in aux_buffers])
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ before any byte moves, with a message naming both values.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVArgs, StateType
 from sglang.srt.disaggregation.common.rank_mapping import check_tp_pairing, check_tp_size, heads_per_rank
@@ -29,6 +29,8 @@ class PeerInfo:
     state_item_lens: tuple[int, ...]
     state_dims: tuple[int, ...]
     aux_item_lens: tuple[int, ...]
+    # rows per TP-sharded segment of every state buffer, flattened (buffer i's sum to state_dims[i])
+    state_segments: tuple[int, ...] = ()
 
     @classmethod
     def from_kv_args(cls, args: KVArgs) -> "PeerInfo":
@@ -38,7 +40,13 @@ class PeerInfo:
             kv_item_lens=tuple(args.kv_item_lens), state_type=args.state_type.value,
             state_item_lens=tuple(args.state_item_lens), state_dims=tuple(args.state_dim_per_tensor),
             aux_item_lens=tuple(args.aux_item_lens),
+            state_segments=tuple(r for seg in args.state_row_segments for r in seg),
         )
+
+    def segments_per_buffer(self) -> list[tuple[int, ...]]:
+        """``state_segments`` split per state buffer (one segment each when not given); raises
+        ValueError when they do not add up to ``state_dims``."""
+        return split_segments(self.state_segments, self.state_dims)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -50,6 +58,8 @@ class PeerInfo:
             raise ValueError(f"peer info must be an object, got {type(obj).__name__}")
         kwargs = {}
         for f in fields(cls):
+            if f.name not in obj and f.default is not MISSING:
+                continue
             if f.name not in obj:
                 raise ValueError(f"peer info lacks field {f.name!r}")
             value = obj[f.name]
@@ -61,7 +71,28 @@ class PeerInfo:
                 raise ValueError(f"peer info field {f.name!r} must be {f.type}, got {value!r}")
             kwargs[f.name] = value
         StateType(kwargs["state_type"])
-        return cls(**kwargs)
+        info = cls(**kwargs)
+        info.segments_per_buffer()
+        return info
+
+
+def split_segments(flat, dims) -> list[tuple[int, ...]]:
+    """Flat segment rows -> one tuple per buffer, each summing to that buffer's ``dims`` entry
+    (``flat`` empty: one segment per buffer). ValueError naming both when they do not fit."""
+    if not flat:
+        return [(d,) for d in dims]
+    out, i = [], 0
+    for d in dims:
+        seg, total = [], 0
+        while total < d and i < len(flat):
+            seg.append(flat[i])
+            total, i = total + flat[i], i + 1
+        if total != d or min(seg, default=0) < 1:
+            raise ValueError(f"state segments {list(flat)} do not split state dims {list(dims)}")
+        out.append(tuple(seg))
+    if i != len(flat):
+        raise ValueError(f"state segments {list(flat)} do not split state dims {list(dims)}")
+    return out
 
 
 def _same(name: str, prefill, decode) -> None:
@@ -90,6 +121,12 @@ def check_peer_compat(prefill: PeerInfo, decode: PeerInfo) -> None:
                 raise IncompatiblePeerError(
                     f"KV buffer {i} bytes per head mismatch: prefill {lp} B / {hp} heads vs decode {ld} B / {hd} heads"
                 )
+    for i, (sp, sd) in enumerate(zip(prefill.segments_per_buffer(), decode.segments_per_buffer())):
+        if len(sp) != len(sd) or any(p * prefill.tp_size != d * decode.tp_size for p, d in zip(sp, sd)):
+            raise IncompatiblePeerError(
+                f"state buffer {i} TP segments mismatch: prefill {list(sp)} rows x tp {prefill.tp_size} vs "
+                f"decode {list(sd)} rows x tp {decode.tp_size}"
+            )
     for i, (lp, dp, ld, dd) in enumerate(zip(prefill.state_item_lens, prefill.state_dims, decode.state_item_lens,
                                              decode.state_dims)):
         if lp // dp != ld // dd:

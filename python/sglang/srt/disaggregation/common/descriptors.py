@@ -131,16 +131,18 @@ def into_staging_descs(src_ptrs, src_item_lens, page_size: int, src_pages: np.nd
 
 
 def state_descs(src_ptrs, src_item_lens, src_rows, dst_ptrs, dst_item_lens, dst_rows, src_slots: np.ndarray,
-                dst_slots: np.ndarray, slices: list[StateSlice | None]) -> Descs:
-    """Per (state buffer, request slot pair): ``slices[i].num_rows`` rows of dim 0 of the item.
+                dst_slots: np.ndarray, slices) -> Descs:
+    """Per (state buffer, row run, request slot pair): ``run.num_rows`` rows of dim 0 of the item.
 
-    ``src_rows`` / ``dst_rows``: rows per item on each side; a row has the same bytes on both.
+    ``slices[i]``: the row runs of buffer i (a list of StateSlice, one StateSlice, or None for
+    none). ``src_rows`` / ``dst_rows``: rows per item on each side; a row has the same bytes on both.
     """
     if src_slots.size != dst_slots.size:
         raise ValueError(f"state slot lists differ in length: src {src_slots.size}, dst {dst_slots.size}")
     parts = []
-    for i, sl in enumerate(slices):
-        if sl is None:
+    for i, runs in enumerate(slices):
+        runs = [] if runs is None else [runs] if isinstance(runs, StateSlice) else runs
+        if not runs:
             continue
         row_bytes = src_item_lens[i] // src_rows[i]
         if row_bytes * dst_rows[i] != dst_item_lens[i]:
@@ -148,9 +150,10 @@ def state_descs(src_ptrs, src_item_lens, src_rows, dst_ptrs, dst_item_lens, dst_
                 f"state buffer {i}: row bytes differ: src {src_item_lens[i]}/{src_rows[i]}, "
                 f"dst {dst_item_lens[i]}/{dst_rows[i]}"
             )
-        src = src_ptrs[i] + src_slots * src_item_lens[i] + sl.src_row_offset * row_bytes
-        dst = dst_ptrs[i] + dst_slots * dst_item_lens[i] + sl.dst_row_offset * row_bytes
-        parts.append(_pack(src, dst, sl.num_rows * row_bytes))
+        for sl in runs:
+            src = src_ptrs[i] + src_slots * src_item_lens[i] + sl.src_row_offset * row_bytes
+            dst = dst_ptrs[i] + dst_slots * dst_item_lens[i] + sl.dst_row_offset * row_bytes
+            parts.append(_pack(src, dst, sl.num_rows * row_bytes))
     return Descs.concat(parts)
 
 

@@ -19,9 +19,9 @@ import time
 import numpy as np
 
 from sglang.srt.disaggregation.base.conn import IncompatiblePeerError, KVPoll, KVTransferError
-from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
+from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat, split_segments
 from sglang.srt.disaggregation.common.messages import Message, MsgKind, Notif, NotifKind
-from sglang.srt.disaggregation.common.rank_mapping import head_slice, required_dst_info_num, state_slice
+from sglang.srt.disaggregation.common.rank_mapping import head_slice, required_dst_info_num, state_row_slices
 from sglang.srt.disaggregation.common.staging import SliceLayout
 from sglang.srt.disaggregation.common.status import DstInfo, PrefillRoom
 
@@ -133,8 +133,9 @@ class PrefillSideMixin:
                                  f"{peer['staging_len']} bytes, KV {'sent' if layout else 'not sent'}")
         state_slices = []
         if h["send_state"]:
-            state_slices = [state_slice(sp, sd, tp, self.args.tp_rank, td, tp_rank)
-                            for sp, sd in zip(self.args.state_dim_per_tensor, p["state_dims"])]
+            dst_segments = split_segments(p.get("state_segments", ()), p["state_dims"])
+            state_slices = [state_row_slices(sp, sd, tp, self.args.tp_rank, td, tp_rank)
+                            for sp, sd in zip(self.args.state_row_segments, dst_segments)]
         return DstInfo(h["agent_name"], h["engine_rank"], tp_rank, page_ids, slots, h["aux_index"], h["send_kv"],
                        h["send_state"], h["send_aux"], hs, state_slices, staging_offset, layout)
 

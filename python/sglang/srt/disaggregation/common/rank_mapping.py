@@ -121,6 +121,24 @@ def state_slice(src_rows: int, dst_rows: int, prefill_tp: int, prefill_rank: int
     return StateSlice(common.start - held.start, common.start - needed.start, len(common))
 
 
+def state_row_slices(src_segments, dst_segments, prefill_tp: int, prefill_rank: int, decode_tp: int,
+                     decode_rank: int) -> list[StateSlice]:
+    """Row runs prefill rank sends decode rank for one state buffer whose dim 0 is made of
+    segments sharded across TP separately (Qwen3-Next's conv state: a rank holds its q, k and v
+    channels, so TP 2 -> 1 joins q0 q1 | k0 k1 | v0 v1, not q0 k0 v0 | q1 k1 v1). ``*_segments``:
+    rows of each segment on one rank of that side. [] when the shards are disjoint; raises
+    IncompatiblePeerError when the segment counts or totals differ."""
+    if len(src_segments) != len(dst_segments):
+        raise IncompatiblePeerError(f"state segments: prefill {list(src_segments)} vs decode {list(dst_segments)}")
+    runs, src_base, dst_base = [], 0, 0
+    for src_rows, dst_rows in zip(src_segments, dst_segments):
+        sl = state_slice(src_rows, dst_rows, prefill_tp, prefill_rank, decode_tp, decode_rank)
+        if sl is not None:
+            runs.append(StateSlice(src_base + sl.src_row_offset, dst_base + sl.dst_row_offset, sl.num_rows))
+        src_base, dst_base = src_base + src_rows, dst_base + dst_rows
+    return runs
+
+
 @dataclass(frozen=True)
 class PairPlan:
     """What one target prefill rank sends one decode rank for a request."""

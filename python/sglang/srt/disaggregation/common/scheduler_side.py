@@ -68,3 +68,14 @@ class DisaggBase:
 
     def close(self) -> None:
         self.mgr.close()
+
+
+def take_state_slot(mamba, req, prompt_len: int) -> bool:
+    """Decode: reserve ``req``'s own state slot (``MambaStateSlots.reserve``) for the state prefill
+    sends, and make its first forward continue from that slot after ``prompt_len`` tokens.
+    False (nothing held) when no slot can be had now."""
+    if not mamba.reserve(req):
+        return False
+    req.mamba_src_idx = int(req.mamba_pool_idx[0])
+    req.mamba_computed_len, req.mamba_branch_len = prompt_len, 0
+    return True

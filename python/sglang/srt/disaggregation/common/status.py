@@ -137,7 +137,7 @@ class DstInfo:
     send_state: bool
     send_aux: bool
     head_slice: HeadSlice | None  # None: whole pages (MLA or same heads on both sides)
-    state_slices: list[StateSlice | None]
+    state_slices: list[list[StateSlice]]  # per state buffer: the row runs this destination gets
     staging_offset: int = -1  # >= 0: write the KV in staged layout into the decode's staging area there
     layout: SliceLayout | None = None  # bytes of each source token this destination receives
     next_chunk: int = 0  # KV chunk ids count per destination (a send may post several chunks)
