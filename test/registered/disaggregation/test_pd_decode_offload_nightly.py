@@ -3,11 +3,16 @@ the decode server writes each finished turn's KV (prompt and answer) to the file
 the prefill server (HiCache on), so the next turn's prefill gets storage hits covering the
 previous answer, which that prefill server never computed. Outputs equal a plain server's. The
 decode server is started with upstream's command line (the flag and --hicache-storage-backend,
-no --enable-hierarchical-cache). Without the flag the same workload gets no storage hit."""
+no --enable-hierarchical-cache). Without the flag the same workload gets no storage hit. With a
+decode L3 whose every write raises, requests finish normally and both servers settle clean."""
 
+import contextlib
 import json
+import os
 import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -17,38 +22,56 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.router_utils import launch_pd_router
 
-register_cpu_ci(est_time=40, suite="nightly-cpu")
+register_cpu_ci(est_time=60, suite="nightly-cpu")
 
 P = 4  # page size
 CONVERSATIONS, TURNS, MAX_NEW = 2, 3, 9
+OFFLOAD = "--disaggregation-decode-enable-offload-kvcache"
+BACKENDS_DIR = str(Path(__file__).resolve().parents[1] / "unit" / "mem_cache")  # storage_test_backends.py
+sys.path.insert(0, BACKENDS_DIR)
+from storage_test_backends import scripted_extra  # noqa: E402
 
 
-def storage_flags(l3: str) -> tuple[str, ...]:
+def storage_flags(l3: str, backend: str = "file", **extra) -> tuple[str, ...]:
     # wait_complete: a turn's prefill waits for its whole L3 read (the test counts every hit page);
     # prefetch_threshold 4: these prompts are far below the default 256 tokens
-    return ("--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend-extra-config", json.dumps({"storage_dir": l3, "prefetch_threshold": 4}))
+    return ("--hicache-storage-backend", backend, "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"storage_dir": l3, "prefetch_threshold": 4, **extra}))
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
-    l3 = str(tmp_path_factory.mktemp("l3"))
+def model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
+
+
+@contextlib.contextmanager
+def deployment(model: str, log_dir: str, l3: str, decode_storage: tuple[str, ...]):
+    """A plain server, a prefill server (HiCache, file L3 at ``l3``) and a decode server with the
+    offload flag and ``decode_storage``, behind the router."""
     (bootstrap_port,) = free_ports(1)
+    env = {"PYTHONPATH": os.pathsep.join([BACKENDS_DIR, os.environ.get("PYTHONPATH", "")])}
     servers = launch_servers(model, [
         ("--page-size", str(P)),
         prefill_flags(bootstrap_port, "--page-size", str(P), "--enable-hierarchical-cache", *storage_flags(l3)),
-        decode_flags("--page-size", str(P), "--disaggregation-decode-enable-offload-kvcache", *storage_flags(l3)),
-    ], log_dir=(logs := str(tmp_path_factory.mktemp("logs"))))
+        decode_flags("--page-size", str(P), OFFLOAD, *decode_storage),
+    ], env=env, log_dir=log_dir)
     single, prefill, decode = servers
     router = None
     try:
-        router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=logs)
+        router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=log_dir)
         yield {"single": single, "prefill": prefill, "decode": decode, "router": router}
     finally:
         for proc in (router, *servers):
             if proc is not None:
                 proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(model, tmp_path_factory):
+    l3 = str(tmp_path_factory.mktemp("l3"))
+    with deployment(model, str(tmp_path_factory.mktemp("logs")), l3, storage_flags(l3)) as servers:
+        yield servers
 
 
 def generate(url: str, input_ids: list[int]) -> list[int]:
@@ -105,6 +128,28 @@ def test_next_turn_prefill_hits_the_answer_decode_offloaded(cluster):
         info = wait_settled(srv)
         assert info["disaggregation"]["pd_failed"] == 0 and info["counters"]["num_idle_checks"] > 0
         assert srv.get("/health").status_code == 200
+
+
+def test_a_failing_decode_l3_leaves_requests_finished_normally(model, tmp_path):
+    l3 = str(tmp_path / "l3")
+    os.makedirs(l3)
+    failing = storage_flags(l3, "dynamic", **scripted_extra(l3, raise_on=["set"]))  # every L3 write raises
+    with deployment(model, str(tmp_path), l3, failing) as c:
+        rng = random.Random(1)
+        history = [rng.randrange(3, 999) for _ in range(30)]
+        for turn in range(2):
+            idle_before = scheduler_info(c["decode"])["counters"]["num_idle_checks"]
+            got = generate(c["router"].url, history)
+            assert got == generate(c["single"].url, history), f"turn {turn}"
+            info = wait_offloaded(c["decode"], idle_before)
+            history = history + got + [rng.randrange(3, 999) for _ in range(5)]
+        storage = info["storage"]
+        assert storage["backup_pages_failed"] > 0 and storage["failures"] > 0, storage
+        assert scheduler_info(c["prefill"])["counters"]["cached_tokens"]["storage"] == 0  # nothing was stored
+        for srv in (c["prefill"], c["decode"]):
+            info = wait_settled(srv)
+            assert info["disaggregation"]["pd_failed"] == 0 and info["counters"]["num_aborted"] == 0
+            assert srv.get("/health").status_code == 200
 
 
 if __name__ == "__main__":
