@@ -1,15 +1,14 @@
 """PD serving of an MLA model (tiny DeepSeek-V2): ``KVArgs`` come from the runner's MLA pool (one
 latent per token, replicated across TP ranks, so only one prefill rank sends it), for prefill
 tp 1 -> 1, 2 -> 1 and 1 -> 2 behind the real router; greedy outputs of single prompts and a
-multi-turn workload token-identical to a plain tp1 server, both PD servers settle clean. Also:
-a model with a sidecar pool (DeepSeek-V3.2's indexer keys) is refused at start-up, naming it."""
+multi-turn workload token-identical to a plain tp1 server, both PD servers settle clean. (Models
+with a sidecar pool or a state pool: test_pd_server_hybrid_nightly.py.)"""
 
 import pytest
 
 from pd_cluster import check_pd_pair, reference_server
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
-from sglang.test.server_utils import run_launcher
 
 register_cpu_ci(est_time=40, suite="nightly-cpu")
 
@@ -31,13 +30,6 @@ def reference(model, tmp_path_factory):
                          ids=["tp1-to-tp1", "tp2-to-tp1", "tp1-to-tp2"])
 def test_mla_outputs_identical(model, reference, prefill_tp, decode_tp, tmp_path):
     check_pd_pair(model, reference.url, prefill_tp, decode_tp, PROMPTS, log_dir=str(tmp_path))
-
-
-def test_sidecar_pool_model_is_refused(tmp_path):
-    model = make_tiny_model(str(tmp_path / "tiny_dsa"), "deepseek_v32")
-    proc = run_launcher(model, "--disaggregation-mode", "decode", timeout_s=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "sidecar pools (dsa_indexer)" in out, out[-2000:]
 
 
 if __name__ == "__main__":
