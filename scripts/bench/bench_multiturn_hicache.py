@@ -14,7 +14,16 @@ pool, plus every ``--hicache-flag``), and prints both reports and the ratios. Wi
 the off / on pair runs K times, interleaved (off, on, off, on, ...), and the ratios are medians:
 on a shared host that is what makes them comparable. ``--noisy-neighbours N`` runs N neighbour
 processes beside the server during every run. Without ``--model-path`` it builds a model where
-prefill dominates (make_tiny_model --hidden 512 --layers 8, as in docs/engine.md).
+prefill dominates (make_tiny_model --hidden 512 --layers 8, as in docs/engine.md) of architecture
+``--arch``: ``qwen3`` (MHA, the default) or ``qwen3_next`` (Gated DeltaNet + attention: the state
+model, whose prefixes hit where its state checkpoints are).
+
+The sequential multi-turn case (a long first prompt, short follow-ups, a rate the off server
+keeps up with; issue 28's figures in docs/hicache_design.md):
+
+    OMP_NUM_THREADS=1 python scripts/bench/bench_multiturn_hicache.py --arch qwen3_next \
+        --request-rate 0.35 --request-length 1024 --sub-question-input-length 128 --num-rounds 6 \
+        --output-length 16 --device-tokens 4096 --repeat 2
 
 ``--ideal-device-tokens N`` adds a third server per repeat, the plain cache with a device pool of N
 tokens that holds every conversation: its TTFT is the floor any cache tier can reach on this
@@ -47,6 +56,7 @@ from sglang.test.server_utils import launch_server_process  # noqa: E402
 
 PREFILL_MODEL = ["--hidden", "512", "--layers", "8", "--heads", "8", "--kv-heads", "4", "--intermediate", "1536",
                  "--vocab", "4000", "--max-pos", "8192"]
+ARCHS = ("qwen3", "qwen3_next")  # MHA; Gated DeltaNet + attention (state checkpoints)
 
 
 def run_server(model: str, flags: list[str], args) -> dict:
@@ -69,6 +79,8 @@ def ratios(off: dict, on: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", help="default: a prefill-dominated model built into a temp dir")
+    parser.add_argument("--arch", choices=ARCHS,
+                        help="architecture of the built model (default qwen3; not with --model-path)")
     parser.add_argument("--device-tokens", type=int, default=4096, help="device KV pool of both servers")
     parser.add_argument("--hicache-ratio", type=float, default=8.0)
     parser.add_argument("--page-size", type=int, default=16)
@@ -83,8 +95,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.model_path and args.arch:
+        parser.error("--arch picks the built model; with --model-path the checkpoint's config decides")
     tmp = tempfile.TemporaryDirectory(prefix="bench-multiturn-")
-    model = args.model_path or make_tiny_model(os.path.join(tmp.name, "model"), "qwen3", *PREFILL_MODEL)
+    model = args.model_path or make_tiny_model(os.path.join(tmp.name, "model"), args.arch or "qwen3",
+                                                       *PREFILL_MODEL)
     def plain(device_tokens: int) -> list[str]:
         return ["--max-total-tokens", str(device_tokens), "--page-size", str(args.page_size), *args.server_flag]
 

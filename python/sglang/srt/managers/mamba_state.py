@@ -25,6 +25,10 @@ one's, hits even when this forward ends mid-page). Each goes to a free state slo
 When a forward ends on a page boundary (a prefill chunk ends there, or decode reaches a multiple of
 the track interval), ``checkpoint`` also hands a copy of the running state to the node ending there.
 Checkpoints never evict more than one tree state each, and the tree evicts them like any state.
+The pool has one slot per running request plus a share for checkpoints
+(``model_executor/state_pool_size.py``: ``--max-mamba-cache-size``, ``--mamba-full-memory-ratio``);
+when it is short, a checkpoint evicts the least recently used tree state or is skipped
+(``checkpoints_skipped``), never a request. ``stats`` counts the slots by holder.
 
 The scheduler calls: ``reserve`` / ``unreserve`` around the prefix match at admission,
 ``bind_source`` after it, ``forward_slots`` for every batch, ``due_checkpoint`` / ``checkpoint``
@@ -41,6 +45,7 @@ import torch
 
 from sglang.srt.layers.linear_attention import ZERO_STATE, StateSlots
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, request_priority
+from sglang.srt.mem_cache.pool_host.group import PoolName
 from sglang.srt.mem_cache.radix.integrity import CacheIntegrityError
 from sglang.srt.mem_cache.radix.mamba_checkpoints import insert_request_checkpoints
 from sglang.srt.mem_cache.radix.radix_key import RadixKey, common_prefix_len
@@ -58,6 +63,7 @@ class MambaStateSlots:
         self.tree_holds_states = tree_cache.supports_mamba() and not tree_cache.disable
         self.page_size = getattr(tree_cache, "page_size", 1)
         self.track_interval = math.lcm(track_interval, self.page_size)  # checkpoints are page-aligned
+        self.checkpoints_skipped = 0  # checkpoints not taken: no slot free and no tree state evictable
 
     @classmethod
     def build(cls, tree_cache, runner, track_interval: int = DEFAULT_TRACK_INTERVAL) -> MambaStateSlots | None:
@@ -136,12 +142,22 @@ class MambaStateSlots:
             points.add(last)
         return sorted(points)
 
+    def _most_useful_first(self, req, positions: list[int], end: int) -> list[int]:
+        """``positions`` in the order slots go to them when the pool is short: the last page
+        boundary (the conversation's next turn extends this prompt), the branch point (a prefix
+        other requests share), then the interval positions deepest first (a deeper hit saves more)."""
+        last = (end - 1) // self.page_size * self.page_size
+        branch = getattr(req, "mamba_branch_len", 0)
+        return sorted(positions, key=lambda pos: (pos != last, pos != branch, -pos))
+
     def _take_slot(self) -> torch.Tensor | None:
         """A free state slot for a checkpoint, evicting at most one unlocked tree state; None when
         none can be had (the checkpoint is skipped)."""
         if self.pool.available_size() < 1:
             self.tree.evict(EvictParams(mamba_num=1))
-        return self.pool.alloc(1)
+        slot = self.pool.alloc(1)
+        self.checkpoints_skipped += slot is None
+        return slot
 
     def forward_slots(self, reqs) -> StateSlots:
         """Slots for a batch of ``reqs`` (batch order), called once their new tokens are in
@@ -156,13 +172,13 @@ class MambaStateSlots:
             r.mamba_computed_len = end
             points = []
             tracking = self.tree_holds_states and getattr(r, "mamba_checkpoints", None) is not None
-            for pos in self._track_positions(r, start, end) if tracking else ():
+            for pos in self._most_useful_first(r, self._track_positions(r, start, end), end) if tracking else ():
                 slot = self._take_slot()
                 if slot is None:
                     break
                 r.mamba_checkpoints.append((pos, slot.to(device="cpu", dtype=torch.int64).reshape(1)))
                 points.append((pos - start, int(slot[0])))
-            track.append(tuple(points))
+            track.append(tuple(sorted(points)))
         return StateSlots(src, dst, tuple(track) if any(track) else ())
 
     # ---- checkpoints ---------------------------------------------------------------------------
@@ -206,6 +222,24 @@ class MambaStateSlots:
         req.mamba_checkpoints = []
         req.mamba_pool_idx = None
         req.mamba_src_idx = ZERO_STATE
+
+    # ---- figures -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """State slots by holder, read now (units: slots): ``capacity_slots``, ``free_slots``,
+        ``checkpoint_slots`` (device states the prefix cache keeps: evicted LRU when requests
+        need slots), ``running_slots`` (requests' own slots and their pending checkpoints), the
+        counter ``checkpoints_skipped``; with HiCache ``host_capacity_slots`` / ``host_used_slots``
+        (the host state pool)."""
+        capacity, free = self.pool.size, self.pool.available_size()
+        tree = sum(n.mamba_value is not None for n in self.tree._all_nodes()) if self.tree_holds_states else 0
+        out = {"capacity_slots": capacity, "free_slots": free, "checkpoint_slots": tree,
+               "running_slots": capacity - free - tree, "checkpoints_skipped": self.checkpoints_skipped}
+        binding = getattr(getattr(self.tree, "cache_controller", None), "bindings", {}).get(PoolName.MAMBA)
+        if binding is not None:
+            host = binding.host_alloc
+            out["host_capacity_slots"] = host.size
+            out["host_used_slots"] = host.size - host.available_size()
+        return out
 
     # ---- integrity -----------------------------------------------------------------------------
     @staticmethod

@@ -75,6 +75,8 @@ class SchedulerStats:
             "host_transfers": tiers["l2"],
             "storage": tiers["l3"],
             "hicache": hicache,
+            # state models: state slots by holder (MambaStateSlots.stats); None without a state pool
+            "mamba": scheduler.mamba.stats() if getattr(scheduler, "mamba", None) is not None else None,
         }
 
 

@@ -159,7 +159,31 @@ def _snapshot_families(snapshot: dict, requests: RequestMetrics) -> list:
             [({"tier": t}, p["used_tokens"]) for t, p in pools.items()])
     _tier_families(f, snapshot)
     _hicache_families(f, snapshot)
+    _mamba_families(f, snapshot.get("mamba"))
     return f.out
+
+
+def _mamba_families(f: _Families, mamba: dict | None) -> None:
+    """Upstream's state pool gauges (state models only), in slots; ``mamba_evictable_tokens`` are
+    the prefix cache's checkpoints."""
+    if mamba is None:
+        return
+    used = mamba["capacity_slots"] - mamba["free_slots"]
+    f.gauge("sglang:mamba_usage", "State slots in use / state slots (running requests and checkpoints).",
+            [({}, used / mamba["capacity_slots"] if mamba["capacity_slots"] else 0.0)])
+    f.gauge("sglang:mamba_available_tokens", "Free state slots of the device Mamba pool.",
+            [({}, mamba["free_slots"])])
+    f.gauge("sglang:mamba_evictable_tokens", "State slots the prefix cache holds (checkpoints where prefixes "
+            "end; evicted LRU when requests need slots).", [({}, mamba["checkpoint_slots"])])
+    f.gauge("sglang:mamba_used_tokens", "State slots running requests hold (their own and pending checkpoints).",
+            [({}, mamba["running_slots"])])
+    f.counter("sglang:mamba_checkpoints_skipped", "Checkpoints not taken: no state slot free or evictable.",
+              [({}, mamba["checkpoints_skipped"])])
+    if "host_capacity_slots" in mamba:
+        f.gauge("sglang:hicache_host_mamba_used_states", "State slots in use in the host Mamba pool.",
+                [({}, mamba["host_used_slots"])])
+        f.gauge("sglang:hicache_host_mamba_total_states", "State slots of the host Mamba pool.",
+                [({}, mamba["host_capacity_slots"])])
 
 
 def _hicache_families(f: _Families, snapshot: dict) -> None:
