@@ -3,8 +3,10 @@ the decode server writes each finished turn's KV (prompt and answer) to the file
 the prefill server (HiCache on), so the next turn's prefill gets storage hits covering the
 previous answer, which that prefill server never computed. Outputs equal a plain server's. The
 decode server is started with upstream's command line (the flag and --hicache-storage-backend,
-no --enable-hierarchical-cache). Without the flag the same workload gets no storage hit. With a
-decode L3 whose every write raises, requests finish normally and both servers settle clean."""
+no --enable-hierarchical-cache). Qwen3 (KV only) and Qwen3-Next (KV + Mamba state: decode
+checkpoints the state at page boundaries, so the answer's pages are resumable). Without the flag
+the same workload gets no storage hit. With a decode L3 whose every write raises, requests finish
+normally and both servers settle clean."""
 
 import contextlib
 import json
@@ -22,7 +24,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.router_utils import launch_pd_router
 
-register_cpu_ci(est_time=60, suite="nightly-cpu")
+register_cpu_ci(est_time=90, suite="nightly-cpu")
 
 P = 4  # page size
 CONVERSATIONS, TURNS, MAX_NEW = 2, 3, 9
@@ -43,6 +45,11 @@ def storage_flags(l3: str, backend: str = "file", **extra) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def state_model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_next")), "qwen3_next")
 
 
 @contextlib.contextmanager
@@ -67,8 +74,10 @@ def deployment(model: str, log_dir: str, l3: str, decode_storage: tuple[str, ...
                 proc.stop()
 
 
-@pytest.fixture(scope="module")
-def cluster(model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_next"])
+def cluster(request, tmp_path_factory):
+    """qwen3: KV only; qwen3_next: KV + the Mamba state, checkpointed by decode at page boundaries."""
+    model = request.getfixturevalue("model" if request.param == "qwen3" else "state_model")
     l3 = str(tmp_path_factory.mktemp("l3"))
     with deployment(model, str(tmp_path_factory.mktemp("logs")), l3, storage_flags(l3)) as servers:
         yield servers

@@ -56,7 +56,7 @@ class DecodeDisagg(DisaggBase):
         if getattr(scheduler.args, "disaggregation_decode_enable_offload_kvcache", False):
             from sglang.srt.disaggregation.decode_kvcache_offload_manager import DecodeKVCacheOffloadManager
 
-            self.offload = DecodeKVCacheOffloadManager(scheduler.tree_cache, self.page_size)
+            self.offload = DecodeKVCacheOffloadManager(scheduler.tree_cache, self.page_size, scheduler.mamba)
 
     # ---- scheduler interface -------------------------------------------------------------------
     def add_request(self, req: Req, msg) -> bool:

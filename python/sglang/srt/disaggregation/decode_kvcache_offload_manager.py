@@ -24,8 +24,18 @@ once it is acknowledged, their host -> L3 backup on the storage thread. So:
   backup; the request has already finished normally either way.
 
 Pages the prefill server already stored (the prompt) are found by the backend's existence check
-and not written again. This class only checks that the tree provides that path and counts what
-finished requests handed to it (``info()``).
+and not written again.
+
+State models (a Mamba / linear-attention state pool, e.g. Qwen3-Next): a prefill server resumes
+from L3 only at a page that has a stored state, and a finished request's state is the one after
+its last token, mid-page unless that ends on a page boundary. So the decode server checkpoints
+the state at every page boundary it decodes across (its state track interval becomes the page
+size): the checkpoint enters the tree with its pages and goes to L3 with them. Cost: one state
+copy and one tree insert per request per page decoded (upstream refuses decode offload for these
+models).
+
+This class checks that the tree provides that path, sets the state track interval, and counts
+what finished requests handed to the tree (``info()``).
 """
 
 from __future__ import annotations
@@ -43,9 +53,11 @@ FLAG = "--disaggregation-decode-enable-offload-kvcache"
 
 class DecodeKVCacheOffloadManager:
     """Decode-side offload of finished requests' KV to L3 through ``tree_cache`` (a HiRadixCache
-    with an L3 backend and the write_through policy; ValueError otherwise)."""
+    with an L3 backend and the write_through policy; ValueError otherwise). ``state_slots``: the
+    scheduler's ``MambaStateSlots`` for a state model (its track interval is lowered to
+    ``page_size``), else None."""
 
-    def __init__(self, tree_cache, page_size: int):
+    def __init__(self, tree_cache, page_size: int, state_slots=None):
         if not storage_enabled(tree_cache):
             raise ValueError(f"{FLAG} needs a prefix cache with a host tier and L3 storage, got "
                              f"{type(tree_cache).__name__} without one (start with --hicache-storage-backend)")
@@ -56,6 +68,11 @@ class DecodeKVCacheOffloadManager:
         self.page_size = page_size
         self.num_requests = 0  # finished requests whose KV went to the tree
         self.num_pages = 0  # their whole pages (each written to L3 unless already there, or bounded out)
+        if state_slots is not None and state_slots.track_interval != page_size:
+            logger.info("decode offload: state checkpoint every page (%d tokens, was every %d) so the next "
+                        "turn's prefill can resume from L3 at the answer's last whole page",
+                        page_size, state_slots.track_interval)
+            state_slots.track_interval = page_size
         logger.info("decode offload: finished requests' KV goes to L3 (%s)",
                     tree_cache.cache_controller.storage_backend_name)
 
