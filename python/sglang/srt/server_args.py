@@ -62,6 +62,8 @@ class ServerArgs:
     device: str = opt("cpu", "device of the model and the KV pool", DEVICES)
     dtype: str = opt("auto", "model and KV dtype; auto: float32 on CPU, the checkpoint's on CUDA", DTYPES)
     tp_size: int = opt(1, "tensor parallel ranks (one process each)")
+    pp_size: int = opt(1, "pipeline parallel stages: contiguous layer ranges, one stage per tp_size ranks, so "
+                       "tp_size x pp_size processes (docs/engine.md, Parallelism)")
     context_length: int | None = opt(None, "max tokens per request (prompt + output); default: the model's")
     served_model_name: str | None = opt(None, "model id reported by /v1/models; default: the directory name")
     tokenizer_path: str | None = opt(None, "directory with tokenizer.json (and tokenizer_config.json); "
@@ -166,6 +168,7 @@ class ServerArgs:
         self._resolve_decode_offload()
         self._check_hicache()
         self._check_host_memory_mode()
+        self._check_pipeline()
         self._check_disaggregation()
         self._check_kv_events()
 
@@ -174,6 +177,7 @@ class ServerArgs:
         checks = [
             ("model_path", isinstance(self.model_path, str) and bool(self.model_path), "a directory path"),
             ("tp_size", self.tp_size >= 1, "an integer >= 1"),
+            ("pp_size", self.pp_size >= 1, "an integer >= 1"),
             ("context_length", self.context_length is None or self.context_length >= 1, "unset or >= 1"),
             ("page_size", self.page_size >= 1, "an integer >= 1"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
@@ -330,6 +334,21 @@ class ServerArgs:
                      if self.disaggregation_transfer_backend == "mooncake" else "'sglang[pd]'")
             raise ValueError(f"{mode} needs the transfer backend {self.disaggregation_transfer_backend!r}: "
                              f"{exc}; install the 'pd' extra (pip install {extra})") from None
+
+    def _check_pipeline(self) -> None:
+        """--pp-size > 1: the combinations a pipeline split cannot serve (the model's own limits,
+        layers and architecture, are checked when it is loaded)."""
+        if self.pp_size == 1:
+            return
+        flag = f"--pp-size {self.pp_size}"
+        if self.disaggregation_mode != "null":
+            raise ValueError(f"{flag} is not supported with --disaggregation-mode {self.disaggregation_mode}: PD "
+                             "moves one rank's whole KV pool per transfer, and a pipeline stage holds only its "
+                             "layers; allowed: --pp-size 1")
+        if self.enable_hierarchical_cache and self.hicache_size > 0:
+            raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: the stages hold "
+                             "different layers, so one byte budget gives them different host slot counts while "
+                             "the tree shares slot indices across ranks; use --hicache-ratio")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_config is None:

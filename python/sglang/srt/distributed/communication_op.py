@@ -1,11 +1,12 @@
-"""Collectives over the tensor-parallel group; identity when the group has one rank."""
+"""Collectives over the tensor-parallel group (and the world group, for agreements every rank
+of the server must reach); identity when the group has one rank."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.parallel_state import get_tp_group, get_world_group
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +41,27 @@ def tensor_model_parallel_cpu_all_reduce_min(values: list[int]) -> list[int]:
 def tensor_model_parallel_cpu_gather_objects(obj) -> list:
     """Every TP rank's ``obj`` (picklable), in rank order, on every rank (gloo group)."""
     group = get_tp_group()
+    if group.world_size == 1:
+        return [obj]
+    out = [None] * group.world_size
+    dist.all_gather_object(out, obj, group=group.cpu_group)
+    return out
+
+
+def world_cpu_all_reduce_min(values: list[int]) -> list[int]:
+    """MIN-reduce small integers over every rank of the server (TP x PP; gloo), e.g. the KV
+    slots every rank must hold alike."""
+    group = get_world_group()
+    if group.world_size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return t.tolist()
+
+
+def world_cpu_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in global rank order, on every rank (gloo)."""
+    group = get_world_group()
     if group.world_size == 1:
         return [obj]
     out = [None] * group.world_size

@@ -1,10 +1,16 @@
-"""Process groups for tensor parallelism.
+"""Process groups for tensor and pipeline parallelism.
 
-One ``GroupCoordinator`` describes the TP group: its ``device_group`` carries model
+One ``GroupCoordinator`` describes a group: the TP group's ``device_group`` carries model
 collectives (gloo on CPU, nccl on CUDA) and its ``cpu_group`` (always gloo) carries small
 control-plane agreements such as the HiCache MIN all-reduces, so they never queue behind model
 traffic. Before ``initialize_model_parallel`` the world is one rank and every collective is a
 no-op, which is what single-process runs and tests use.
+
+With ``--pp-size`` the world is ``tp_size x pp_size`` ranks, global rank
+``pp_rank * tp_size + tp_rank`` (upstream's order): the TP group of a rank holds the ranks of its
+pipeline stage, its PP group the ranks of every stage at its TP rank (hidden states travel
+there, see ``pipeline.py``), and the world group (``get_world_group``, gloo only) carries the
+scheduler's message broadcast and every agreement that all ranks holding one tree must reach.
 """
 
 from __future__ import annotations
@@ -32,13 +38,30 @@ class GroupCoordinator:
     device_group: object = None
     cpu_group: object = None
     device: torch.device = torch.device("cpu")
+    ranks: tuple[int, ...] = (0,)  # global ranks of the group, in group-rank order
 
     @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
+    @property
+    def is_last_rank(self) -> bool:
+        return self.rank_in_group == self.world_size - 1
+
+    @property
+    def first_rank(self) -> int:
+        """Global rank of the group's first member."""
+        return self.ranks[0]
+
+    @property
+    def last_rank(self) -> int:
+        """Global rank of the group's last member."""
+        return self.ranks[-1]
+
 
 _TP = GroupCoordinator()
+_PP = GroupCoordinator()
+_WORLD = GroupCoordinator()
 
 
 def backend_for_device(device: str | torch.device) -> str:
@@ -76,26 +99,60 @@ def init_distributed_environment(
     )
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int, device: str | torch.device = "cpu") -> None:
-    """Make the TP group: all ranks of the default group (only TP is supported)."""
-    global _TP
+def initialize_model_parallel(tensor_model_parallel_size: int, device: str | torch.device = "cpu",
+                              pipeline_model_parallel_size: int = 1) -> None:
+    """Make the TP, PP and world groups over the default group, whose size must be
+    ``tensor_model_parallel_size * pipeline_model_parallel_size`` (no data parallelism)."""
+    global _TP, _PP, _WORLD
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tensor_model_parallel_size != world:
+    if tp * pp != world:
         raise ValueError(
-            f"tensor_model_parallel_size {tensor_model_parallel_size} must equal the world size {world} "
-            "(only tensor parallelism is supported)"
+            f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} must equal the world size {world}"
         )
+    device = torch.device(device)
     if world == 1:
-        _TP = GroupCoordinator(device=torch.device(device))
+        _TP = _PP = _WORLD = GroupCoordinator(device=device)
         return
-    ranks = list(range(world))
-    device_group = dist.new_group(ranks, backend=backend_for_device(device))
-    cpu_group = dist.new_group(ranks, backend="gloo")
-    _TP = GroupCoordinator(dist.get_rank(), world, device_group, cpu_group, torch.device(device))
+    rank = dist.get_rank()
+    backend = backend_for_device(device)
+    # Every rank creates every group, in the same order (new_group is collective).
+    tp_groups = [tuple(range(s * tp, (s + 1) * tp)) for s in range(pp)]
+    pp_groups = [tuple(range(t, world, tp)) for t in range(tp)]
+    for kind, groups in (("tp", tp_groups), ("pp", pp_groups)):
+        for ranks in groups:
+            device_group = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
+            cpu_group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
+            if rank in ranks:
+                coord = GroupCoordinator(ranks.index(rank), len(ranks), device_group, cpu_group, device, ranks)
+                if kind == "tp":
+                    _TP = coord
+                else:
+                    _PP = coord
+    world_cpu = dist.new_group(list(range(world)), backend="gloo")
+    _WORLD = GroupCoordinator(rank, world, None, world_cpu, device, tuple(range(world)))
 
 
 def get_tp_group() -> GroupCoordinator:
     return _TP
+
+
+def get_pp_group() -> GroupCoordinator:
+    """This rank's pipeline group (one rank per stage, at this rank's TP rank)."""
+    return _PP
+
+
+def get_world_group() -> GroupCoordinator:
+    """Every rank of the server (``cpu_group`` only: control-plane broadcasts and agreements)."""
+    return _WORLD
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _PP.rank_in_group
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _PP.world_size
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -107,8 +164,8 @@ def get_tensor_model_parallel_world_size() -> int:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the TP group and leave the default process group (if any)."""
-    global _TP
-    _TP = GroupCoordinator()
+    """Forget the TP, PP and world groups and leave the default process group (if any)."""
+    global _TP, _PP, _WORLD
+    _TP, _PP, _WORLD = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()

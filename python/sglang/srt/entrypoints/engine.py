@@ -1,4 +1,4 @@
-"""Engine: starts one scheduler process per TP rank and owns the tokenizer manager.
+"""Engine: starts one scheduler process per rank (tp_size x pp_size) and owns the tokenizer manager.
 
 ``Engine(server_args)`` returns once every rank reported ready, or raises
 ``EngineStartupError`` with the first rank's error (a bad model directory, a pool that does not
@@ -43,16 +43,19 @@ class Engine:
         ctx = mp.get_context("spawn")
         self.in_queue, self.out_queue = ctx.Queue(), ctx.Queue()
         status = ctx.Queue()
-        dist_port = free_port() if server_args.tp_size > 1 else None
+        pp_size = getattr(server_args, "pp_size", 1)
+        world = server_args.tp_size * pp_size  # global rank: pp_rank * tp_size + tp_rank
+        dist_port = free_port() if world > 1 else None
         self.procs = []
         self._stopping = False
-        for rank in range(server_args.tp_size):
+        for rank in range(world):
             first = rank == 0
             proc = ctx.Process(
                 target=run_scheduler_process,
                 args=(server_args, rank, dist_port, self.in_queue if first else None,
                       self.out_queue if first else None, status, build_disaggregation, EventPublisherFactory.create),
-                name=f"sglang-scheduler-tp{rank}",
+                name=f"sglang-scheduler-tp{rank % server_args.tp_size}"
+                     + (f"-pp{rank // server_args.tp_size}" if pp_size > 1 else ""),
                 daemon=True,
             )
             proc.start()

@@ -194,7 +194,8 @@ class HiCacheController:
             self._attach_storage(storage_backend, prefetch_threshold, model_name, storage_backend_extra_config)
         elif storage_backend_extra_config:
             raise ValueError("storage_backend_extra_config is set but storage_backend is None; set both or neither")
-        self.agreement = TPAgreement(self.params.tp_cache_group)
+        # every rank holding the tree: the TP ranks of this stage, then the stages (PP)
+        self.agreement = TPAgreement(self.params.tp_cache_group, self.params.pp_cache_group)
         device = self.mem_pool_device.device
         self.write_lane = make_lane("hicache-write", device)
         self.load_lane = make_lane("hicache-load", device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.distributed import get_tp_group
+from sglang.srt.distributed import get_pp_group, get_tp_group
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
@@ -55,8 +55,10 @@ def cache_init_params(args, runner) -> CacheInitParams:
         tp_rank=runner.tp_rank,
         tp_size=runner.tp_size,
         tp_cache_group=get_tp_group().cpu_group,
+        pp_cache_group=get_pp_group().cpu_group,  # pp_rank / pp_size read from it (0 / 1 without PP)
         # rank 0 publishes; the other ranks hold the same tree and record nothing
-        enable_kv_cache_events=bool(getattr(args, "kv_events_config", None)) and runner.tp_rank == 0,
+        enable_kv_cache_events=(bool(getattr(args, "kv_events_config", None)) and runner.tp_rank == 0
+                                and getattr(runner, "pp_rank", 0) == 0),
     )
 
 
@@ -75,9 +77,11 @@ def host_ratio(args, runner, params: CacheInitParams) -> float:
     if fraction is None:
         return args.resolved_hicache_ratio
     device_bytes = sum(pool.mem_usage_bytes() for pool in runner.all_pools)
-    # our TP ranks all run on this host: the budget is split over them
-    return auto_size_hicache(args.resolved_hicache_ratio, fraction, device_bytes, ranks_per_host=params.tp_size,
-                             agree_min=TPAgreement(params.tp_cache_group).min, tp_rank=params.tp_rank)
+    # our TP x PP ranks all run on this host: the budget is split over them
+    return auto_size_hicache(args.resolved_hicache_ratio, fraction, device_bytes,
+                             ranks_per_host=params.tp_size * params.pp_size,
+                             agree_min=TPAgreement(params.tp_cache_group, params.pp_cache_group).min,
+                             tp_rank=params.tp_rank + params.pp_rank * params.tp_size)
 
 
 def hicache_config(args, hicache_ratio: float | None = None) -> HiCacheConfig:

@@ -25,7 +25,7 @@ from collections import deque
 
 import torch
 
-from sglang.srt.distributed import tensor_model_parallel_cpu_gather_objects
+from sglang.srt.distributed import world_cpu_gather_objects
 from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -57,9 +57,12 @@ STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop stri
 
 
 def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -> ModelRunnerConfig:
+    """``tp_rank``: the global rank, ``pp_rank * tp_size + tp_rank`` (under --pp-size)."""
+    pp_size = getattr(args, "pp_size", 1)
     return ModelRunnerConfig(
         model_path=args.model_path, load_format=args.load_format, device=args.device, dtype=args.dtype,
-        tp_size=args.tp_size, tp_rank=tp_rank, dist_init_method=dist_init_method, page_size=args.page_size,
+        tp_size=args.tp_size, tp_rank=tp_rank % args.tp_size, pp_size=pp_size, pp_rank=tp_rank // args.tp_size,
+        dist_init_method=dist_init_method, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, context_length=args.context_length, seed=args.random_seed,
     )
@@ -216,9 +219,12 @@ class Scheduler:
     def handle_control(self, msg: ControlReq) -> ControlOutput:
         if msg.kind is ControlKind.GET_STATS:
             payload = self.stats.snapshot(self)
-            # every rank's own L3 counters (e.g. MLA: rank 0 writes, the others skip); every
-            # rank handles this message at the same point, so the gather is collective
-            payload["storage_per_rank"] = tensor_model_parallel_cpu_gather_objects(payload["storage"])
+            # every rank's own L3 counters (e.g. MLA: TP rank 0 writes, the others skip; under
+            # --pp-size every stage writes its layers) and idle integrity checks, in global rank
+            # order; every rank handles this message at the same point, so the gather is collective
+            per_rank = world_cpu_gather_objects((payload["storage"], self.stats.counters.num_idle_checks))
+            payload["storage_per_rank"] = [storage for storage, _ in per_rank]
+            payload["idle_checks_per_rank"] = [checks for _, checks in per_rank]
             if self.disagg is not None:
                 payload["disaggregation"] = self.disagg.info()
             return ControlOutput(msg.cid, True, payload=payload)

@@ -1,8 +1,9 @@
-"""The scheduler process of one TP rank: start-up report, then the receive / step loop.
+"""The scheduler process of one rank: start-up report, then the receive / step loop.
 
-Rank 0 takes messages from the tokenizer manager's queue and broadcasts them to every rank
-over the TP group's gloo ``cpu_group``, so all ranks apply the same messages in the same order
-and stay in lockstep; only rank 0 sends outputs back. Rank 0 also picks the sampling seed of
+A server has ``tp_size x pp_size`` ranks (global rank ``pp_rank * tp_size + tp_rank``). Rank 0
+takes messages from the tokenizer manager's queue and broadcasts them to every rank over the
+world group's gloo ``cpu_group``, so all ranks (every TP rank of every pipeline stage) apply the
+same messages in the same order and stay in lockstep; only rank 0 sends outputs back. Rank 0 also picks the sampling seed of
 requests that have none before the broadcast, so every rank samples with the same noise.
 """
 
@@ -38,8 +39,8 @@ def configure_logging(level: str, prefix: str = "") -> None:
 class SchedulerLoop:
     def __init__(self, scheduler, in_queue=None, out_queue=None):
         self.scheduler = scheduler
-        self.tp_rank = scheduler.runner.tp_rank
-        self.tp_size = scheduler.runner.tp_size
+        self.rank = scheduler.runner.config.rank
+        self.world_size = scheduler.runner.config.world_size
         self.in_queue = in_queue
         self.out_queue = out_queue
         self.parent_pid = os.getppid()
@@ -59,14 +60,14 @@ class SchedulerLoop:
         return msgs
 
     def recv(self, timeout: float) -> list:
-        msgs = self._drain(timeout) if self.tp_rank == 0 else []
-        if self.tp_size > 1:
+        msgs = self._drain(timeout) if self.rank == 0 else []
+        if self.world_size > 1:
             import torch.distributed as dist
 
-            from sglang.srt.distributed import get_tp_group
+            from sglang.srt.distributed import get_world_group
 
             box = [msgs]
-            dist.broadcast_object_list(box, src=0, group=get_tp_group().cpu_group)
+            dist.broadcast_object_list(box, src=0, group=get_world_group().cpu_group)
             msgs = box[0]
         return msgs
 
@@ -85,7 +86,7 @@ class SchedulerLoop:
             outputs = sched.step()
             progressed = _batches_run(sched) != batches
             sched.on_idle()
-            if self.tp_rank == 0 and (outputs or replies):
+            if self.rank == 0 and (outputs or replies):
                 self.out_queue.put([BatchOutput(outputs)] + replies if outputs else replies)
             if os.getppid() != self.parent_pid:
                 logger.error("the server process is gone; scheduler exiting")
@@ -114,9 +115,12 @@ def _batches_run(sched) -> int:
 def run_scheduler_process(server_args, tp_rank: int, dist_port: int | None, in_queue, out_queue, status_queue,
                           disagg_factory=None, kv_events_factory=None):
     """Process entry: build the Scheduler (``disagg_factory``, ``kv_events_factory``: see
-    ``Scheduler``), report ready (or the error), then loop."""
-    configure_logging(server_args.log_level, f"TP{tp_rank}")
-    init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size > 1 else None
+    ``Scheduler``), report ready (or the error), then loop. ``tp_rank`` is the global rank
+    (``pp_rank * tp_size + tp_rank``; the TP rank itself without pipeline parallelism)."""
+    pp_size = getattr(server_args, "pp_size", 1)
+    tag = f"TP{tp_rank % server_args.tp_size}" + (f" PP{tp_rank // server_args.tp_size}" if pp_size > 1 else "")
+    configure_logging(server_args.log_level, tag)
+    init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size * pp_size > 1 else None
     try:
         from sglang.srt.managers.scheduler import Scheduler
 

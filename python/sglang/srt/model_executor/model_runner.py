@@ -1,12 +1,18 @@
-"""ModelRunner: one TP rank's model, device KV pool, token allocator, request table, sampler.
+"""ModelRunner: one rank's model, device KV pool, token allocator, request table, sampler.
 
 A scheduler drives it per step: build a ``ForwardBatch`` (``init_extend`` / ``init_decode``),
 call ``forward`` for the next-token logits, then ``sample``. See docs/engine.md.
+
+Under ``--pp-size`` a runner holds one pipeline stage: its layers' weights and a KV pool of its
+layers only (the same slots on every rank). ``forward`` receives the previous stage's hidden
+states, runs its layers and sends them on; only the last stage has logits (the others return an
+empty (batch, 0) placeholder), and ``sample`` hands the last stage's tokens to every stage.
 """
 
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import torch
 
@@ -14,7 +20,13 @@ from sglang.srt.distributed import (
     destroy_model_parallel,
     init_distributed_environment,
     initialize_model_parallel,
-    tensor_model_parallel_cpu_all_reduce_min,
+    world_cpu_all_reduce_min,
+)
+from sglang.srt.distributed.pipeline import (
+    PipelineStage,
+    broadcast_from_last_stage,
+    recv_proxy,
+    send_proxy,
 )
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
@@ -42,18 +54,21 @@ class ModelRunner:
     def __init__(self, config: ModelRunnerConfig):
         self.config = config
         self.tp_rank, self.tp_size = config.tp_rank, config.tp_size
+        self.pp_rank, self.pp_size = config.pp_rank, config.pp_size
         self.page_size = config.page_size
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.tp_rank)
+            self.device = torch.device("cuda", config.rank)
         # Bad paths and configs fail here, before any rank waits on the others.
         self.model_config = ModelConfig.from_pretrained(
             config.model_path, config.dtype, self.device.type, config.context_length
         )
-        if config.tp_size > 1:
-            init_distributed_environment(config.tp_size, config.tp_rank, config.dist_init_method, self.device)
-        initialize_model_parallel(config.tp_size, self.device)
+        check_pipeline_support(self.model_config, self.pp_size)
+        if config.world_size > 1:
+            init_distributed_environment(config.world_size, config.rank, config.dist_init_method, self.device)
+        initialize_model_parallel(config.tp_size, self.device, pipeline_model_parallel_size=config.pp_size)
         self.dtype = self.model_config.dtype
+        self.stage = PipelineStage.current(self.model_config.num_hidden_layers)
         self.model = get_model(self.model_config, config.load_format, self.device, config.seed)
         self._init_memory_pools()
         self.attn_backend = TorchNativeAttnBackend(self.device)
@@ -61,7 +76,7 @@ class ModelRunner:
 
     def _init_memory_pools(self) -> None:
         cfg, mc = self.config, self.model_config
-        self.kv_pool_layout = layout = mc.kv_pool_layout(self.tp_size)
+        self.kv_pool_layout = layout = self._stage_kv_pool_layout()
         if cfg.max_total_tokens is not None:
             tokens = cfg.max_total_tokens
         else:
@@ -73,8 +88,8 @@ class ModelRunner:
             tokens = max(budget, 0) // max(1, per_token)
             # More than every request slot at full context can never be in use at once.
             tokens = min(tokens, cfg.max_running_requests * mc.context_len)
-        # Every rank must hold the same slots: the scheduler's indices are shared.
-        tokens = tensor_model_parallel_cpu_all_reduce_min([tokens])[0] // self.page_size * self.page_size
+        # Every rank (TP and PP) must hold the same slots: the scheduler's indices are shared.
+        tokens = world_cpu_all_reduce_min([tokens])[0] // self.page_size * self.page_size
         if tokens < self.page_size:
             raise ValueError(f"KV pool would hold {tokens} tokens (< page_size {self.page_size}); free memory")
         self.max_total_num_tokens = tokens
@@ -96,6 +111,14 @@ class ModelRunner:
             mc.context_len,
         )
 
+    def _stage_kv_pool_layout(self):
+        """The pools of this stage's layers (all layers without pipeline parallelism)."""
+        mc = self.model_config
+        if self.pp_size == 1:
+            return mc.kv_pool_layout(self.tp_size)
+        hf = SimpleNamespace(**{**vars(mc.hf_config), "num_hidden_layers": self.stage.num_layers})
+        return mc.model_class.kv_pool_layout(hf, self.tp_size, mc.dtype)
+
     def state_pool_slots(self) -> int:
         """Own-slot states (Mamba): one per running request, as many again for cached prefixes."""
         return 2 * self.config.max_running_requests
@@ -108,12 +131,24 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """Run the model on the batch's new tokens: writes their KV to ``out_cache_loc`` and
-        returns next-token logits (batch_size, vocab_size) fp32, the same on every TP rank."""
+        returns next-token logits (batch_size, vocab_size) fp32, the same on every TP rank.
+        A pipeline stage before the last sends its hidden states on and returns logits of
+        shape (batch_size, 0): only the last stage samples (see ``sample``)."""
         counter = self.token_to_kv_pool.layer_transfer_counter
         if counter is not None:  # -1 too: a batch without loads must not wait on a stale set
             counter.set_consumer(forward_batch.hicache_consumer_index)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if self.pp_size == 1:
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        proxy = None
+        if not self.stage.is_first:
+            proxy = recv_proxy(forward_batch.input_ids.numel(), self.model_config.hf_config.hidden_size,
+                               self.dtype, self.device)
+        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch, pp_proxy_tensors=proxy)
+        if self.stage.is_last:
+            return out
+        send_proxy(out)
+        return LogitsProcessorOutput(next_token_logits=torch.empty((forward_batch.batch_size, 0)))
 
     def sample(
         self,
@@ -122,8 +157,27 @@ class ModelRunner:
         return_logprob: bool = False,
         top_logprobs_nums: list[int] | None = None,
     ) -> SamplerOutput:
-        return self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_nums)
+        """The next tokens (every rank the same; under pipeline parallelism the last stage
+        samples and the others receive its output)."""
+        out = None
+        if self.stage.is_last:
+            out = self.sampler(logits_output.next_token_logits, sampling_info, return_logprob, top_logprobs_nums)
+        return broadcast_from_last_stage(out)
 
     def shutdown(self) -> None:
-        """Leave the process group (TP > 1)."""
+        """Leave the process group (more than one rank)."""
         destroy_model_parallel()
+
+
+def check_pipeline_support(model_config: ModelConfig, pp_size: int) -> None:
+    """ValueError unless ``model_config``'s architecture can be split over ``pp_size`` stages."""
+    if pp_size == 1:
+        return
+    cls = model_config.model_class
+    if not getattr(cls, "supports_pipeline_parallel", False):
+        raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: only models "
+                         "built from uniform decoder layers with one KV pool split by layer (Llama, Qwen3) "
+                         "run pipeline-parallel here; use --pp-size 1")
+    layers = model_config.num_hidden_layers
+    if pp_size > layers:
+        raise ValueError(f"--pp-size {pp_size} exceeds the model's {layers} layers; allowed: 1 to {layers}")

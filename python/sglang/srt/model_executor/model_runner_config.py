@@ -1,4 +1,4 @@
-"""Settings of one ModelRunner (one TP rank), validated at construction."""
+"""Settings of one ModelRunner (one TP rank of one pipeline stage), validated at construction."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class ModelRunnerConfig:
     dtype: str = "auto"
     tp_size: int = 1
     tp_rank: int = 0
-    dist_init_method: str | None = None  # e.g. "tcp://127.0.0.1:29500"; needed when tp_size > 1
+    pp_size: int = 1  # pipeline stages (--pp-size); the world is tp_size x pp_size ranks
+    pp_rank: int = 0
+    dist_init_method: str | None = None  # e.g. "tcp://127.0.0.1:29500"; needed when tp_size x pp_size > 1
     page_size: int = 1
     max_total_tokens: int | None = None  # device KV slots; None: mem_fraction_static of free memory
     mem_fraction_static: float = 0.8
@@ -35,6 +37,8 @@ class ModelRunnerConfig:
         checks = [
             ("tp_size", self.tp_size >= 1, ">= 1"),
             ("tp_rank", 0 <= self.tp_rank < self.tp_size, f"in [0, tp_size={self.tp_size})"),
+            ("pp_size", self.pp_size >= 1, ">= 1"),
+            ("pp_rank", 0 <= self.pp_rank < self.pp_size, f"in [0, pp_size={self.pp_size})"),
             ("page_size", self.page_size >= 1, ">= 1"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"None or >= page_size={self.page_size}"),
@@ -44,5 +48,14 @@ class ModelRunnerConfig:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; must be {allowed}")
-        if self.tp_size > 1 and not self.dist_init_method:
-            raise ValueError("dist_init_method (e.g. 'tcp://127.0.0.1:29500') is required when tp_size > 1")
+        if self.world_size > 1 and not self.dist_init_method:
+            raise ValueError("dist_init_method (e.g. 'tcp://127.0.0.1:29500') is required when tp_size x pp_size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def rank(self) -> int:
+        """Global rank: ``pp_rank * tp_size + tp_rank`` (upstream's order)."""
+        return self.pp_rank * self.tp_size + self.tp_rank

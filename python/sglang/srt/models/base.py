@@ -28,6 +28,9 @@ class ModelSpec:
         "hidden_act": "silu",
     }
     supported_hidden_acts: tuple[str, ...] = ("silu",)
+    # Whether the class builds only its pipeline stage's layers (``--pp-size`` > 1) from uniform
+    # decoder layers, so a stage's pools are the same pools over fewer layers.
+    supports_pipeline_parallel: bool = False
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from sglang.srt.distributed.pipeline import PipelineStage, PPMissingLayer, PPProxyTensors
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
@@ -99,27 +100,50 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 class DecoderModel(nn.Module):
     """``embed_tokens`` -> ``layers`` (each ``(positions, h, forward_batch, residual) -> (h, residual)``)
-    -> final ``norm``; a subclass builds the three."""
+    -> final ``norm``; a subclass builds the three.
 
-    def forward(self, input_ids, positions, forward_batch) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    Under pipeline parallelism ``stage`` (a ``PipelineStage``) says which layers this process
+    runs: a stage after the first starts from ``pp_proxy_tensors`` (the previous stage's hidden
+    states and residual), a stage before the last returns them instead of normed hidden states.
+    ``stage`` None (models without PP support): the whole model."""
+
+    stage: PipelineStage | None = None
+
+    def forward(self, input_ids, positions, forward_batch,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> torch.Tensor | PPProxyTensors:
+        if pp_proxy_tensors is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = pp_proxy_tensors.hidden_states, pp_proxy_tensors.residual
+        stage = self.stage
+        layers = self.layers if stage is None else self.layers[stage.start_layer:stage.end_layer]
+        for layer in layers:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if stage is not None and not stage.is_last:
+            return PPProxyTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
 class LlamaModel(DecoderModel):
+    """Builds only this pipeline stage's part (``PipelineStage.current``); the attention layers
+    of a stage number from 0, as its KV pool holds only its layers."""
+
     def __init__(self, config, attention_cls=LlamaAttention):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage.current(config.num_hidden_layers)
+        holds_embedding = stage.is_first or (config.tie_word_embeddings and stage.is_last)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if holds_embedding
+                             else PPMissingLayer())
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls, rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i - stage.start_layer, attention_cls, rotary_emb)
+            if stage.start_layer <= i < stage.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
 
 
 class CausalLM(nn.Module):
@@ -137,12 +161,23 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = model
         tied = config.tie_word_embeddings
-        head = model.embed_tokens if tied else ParallelLMHead(config.vocab_size, config.hidden_size)
+        stage = getattr(model, "stage", None)
+        if stage is not None and not stage.is_last:
+            head = PPMissingLayer()
+        else:
+            head = model.embed_tokens if tied else ParallelLMHead(config.vocab_size, config.hidden_size)
         setattr(self, self.lm_head_name, head)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids, positions, forward_batch) -> LogitsProcessorOutput:
-        hidden_states = self.model(input_ids, positions, forward_batch)
+    def forward(self, input_ids, positions, forward_batch,
+                pp_proxy_tensors: PPProxyTensors | None = None) -> LogitsProcessorOutput | PPProxyTensors:
+        """Next-token logits; a pipeline stage before the last returns its ``PPProxyTensors``."""
+        if pp_proxy_tensors is None:
+            hidden_states = self.model(input_ids, positions, forward_batch)
+        else:
+            hidden_states = self.model(input_ids, positions, forward_batch, pp_proxy_tensors)
+        if isinstance(hidden_states, PPProxyTensors):
+            return hidden_states
         return self.logits_processor(hidden_states, getattr(self, self.lm_head_name), forward_batch)
 
     @classmethod
@@ -159,10 +194,17 @@ class CausalLM(nn.Module):
         return name.startswith(self.skipped_weight_prefixes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named full tensors (each rank keeps its shard), less ``skip_weight`` ones.
-        Raises ValueError on missing, unexpected or mis-shaped names."""
+        """Load HF-named full tensors (each rank keeps its shard), less ``skip_weight`` ones and
+        those another pipeline stage holds. Raises ValueError on missing, unexpected or
+        mis-shaped names."""
+        shapes = self.hf_weight_shapes(self.config)
         kept = ((n, t) for n, t in weights if not self.skip_weight(n))
-        load_named_weights(self, kept, self.hf_weight_shapes(self.config), self.stacked_params_mapping)
+        stage = getattr(self.model, "stage", None)
+        if stage is not None and stage.pp_size > 1:
+            tied = self.config.tie_word_embeddings
+            shapes = {n: s for n, s in shapes.items() if stage.owns_weight(n, tied, self.lm_head_name)}
+            kept = ((n, t) for n, t in kept if stage.owns_weight(n, tied, self.lm_head_name))
+        load_named_weights(self, kept, shapes, self.stacked_params_mapping)
 
 
 def mlp_and_norm_shapes(prefix: str, hidden: int, inter: int, moe: dict | None = None,
@@ -183,6 +225,7 @@ GATE_UP_STACKED_PARAMS = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", 
 
 class LlamaForCausalLM(ModelSpec, CausalLM):
     attention_cls = LlamaAttention
+    supports_pipeline_parallel = True
     stacked_params_mapping = (*QKV_STACKED_PARAMS, *GATE_UP_STACKED_PARAMS)
 
     def __init__(self, config):

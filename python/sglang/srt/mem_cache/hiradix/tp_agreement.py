@@ -20,16 +20,20 @@ logger = logging.getLogger(__name__)
 class TPAgreement:
     """All-reduce MIN of small int vectors over ``group`` (a gloo group; None: a single rank).
 
-    ``num_calls`` counts collectives issued, so tests can check that ranks stayed in step.
+    ``more_groups``: further groups of ranks holding the same tree (the PP group under pipeline
+    parallelism): the MIN runs over ``group`` and then over each of them, which gives the MIN
+    over every rank of the grid (upstream syncs over the TP then the PP group the same way).
+    ``num_calls`` counts agreements issued, so tests can check that ranks stayed in step.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, *more_groups):
+        import torch.distributed as dist
+
+        self.groups = [g for g in (group, *more_groups) if g is not None and dist.get_world_size(g) > 1]
         self.group = group
         self.world_size = 1
-        if group is not None:
-            import torch.distributed as dist
-
-            self.world_size = dist.get_world_size(group)
+        for g in self.groups:
+            self.world_size *= dist.get_world_size(g)
         self.num_calls = 0
 
     def min(self, values: Sequence[int]) -> list[int]:
@@ -45,7 +49,8 @@ class TPAgreement:
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        for group in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
         return t.tolist()
 
     def all_true(self, flag: bool) -> bool:

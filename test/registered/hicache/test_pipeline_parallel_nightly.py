@@ -1,0 +1,102 @@
+"""--pp-size through the server, on a tiny Qwen3 of 3 layers with tied embeddings (stage 0 holds
+the embedding and layer 0; stage 1 layers 1-2, the norm and the head, which is the embedding):
+
+- greedy tokens and logprobs equal --tp-size 1 bit for bit at --pp-size 2 and 3 (and HF
+  ``generate``); --tp-size 2 --pp-size 2 (4 ranks) equal tokens, logprobs within 1e-4
+  (all-reduce order);
+- HiCache with file L3 at --pp-size 2: host hits, every stage writes its own objects once (the
+  directory holds exactly what the stages report written, the same count per stage), the idle
+  integrity check ran on every rank; a restart with the same split serves from storage; a
+  restart at --pp-size 1 over the same directory finds nothing (another split never reads them);
+- refused at startup: more stages than layers, and an architecture without pipeline support.
+"""
+
+import os
+
+import pytest
+from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
+from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
+from test_hicache_storage import wait_backed_up
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.engine_utils import make_tiny_model
+from sglang.test.server_utils import launch_server_process, run_launcher
+
+register_cpu_ci(est_time=170, suite="nightly-cpu")
+
+
+@pytest.fixture(scope="module")
+def model3(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny3")), "qwen3", "--layers", "3", "--tie")
+
+
+@pytest.fixture(scope="module")
+def reference(model3):
+    with launch_server_process(model3, *COMMON, *REFERENCE) as srv:
+        return run_workload(srv, **WORKLOAD)
+
+
+def _run(model, *flags):
+    with launch_server_process(model, *COMMON, *flags) as srv:
+        turns = run_workload(srv, **WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        per_rank = srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]
+    return turns, per_rank
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_pp_matches_tp1_and_hf(model3, reference, pp):
+    turns, per_rank = _run(model3, *REFERENCE, "--pp-size", str(pp))
+    assert_same_tokens(reference, turns)
+    assert len(per_rank) == pp and min(per_rank) > 0
+    if pp == 2:
+        assert_equal_hf_generate(model3, turns)
+
+
+def test_tp2_pp2_matches_tp1(model3, reference):
+    turns, per_rank = _run(model3, *REFERENCE, "--tp-size", "2", "--pp-size", "2")
+    assert_same_tokens(reference, turns, logprob_tol=1e-4)
+    assert len(per_rank) == 4 and min(per_rank) > 0
+
+
+def _stored_objects(storage_dir: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(storage_dir))
+
+
+def test_pp2_hicache_file_l3_per_stage(model3, reference, tmp_path):
+    storage_dir = str(tmp_path / "l3")
+    flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir)]
+    with launch_server_process(model3, *flags, "--pp-size", "2") as srv:
+        first = run_workload(srv, **WORKLOAD)
+        assert_same_tokens(reference, first)
+        assert tier_totals(first)["host"] > 0, tier_totals(first)
+        assert wait_backed_up(srv) > 0
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        info = srv.get("/get_server_info").json()["scheduler"]
+    written = [s["pages_written"] for s in info["storage_per_rank"]]
+    assert len(written) == 2 and written[0] == written[1] > 0, written
+    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
+    # one object per page per stage (the KV of its layers), no stage's page twice
+    assert _stored_objects(storage_dir) == sum(written)
+
+    with launch_server_process(model3, *flags, "--pp-size", "2") as srv:
+        again = run_workload(srv, **WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+    assert_same_tokens(reference, again)
+    assert tier_totals(again)["storage"] > 0, tier_totals(again)
+
+    with launch_server_process(model3, *flags) as srv:  # --pp-size 1: another split
+        other = run_workload(srv, **WORKLOAD)
+    assert_same_tokens(reference, other)
+    assert tier_totals(other)["storage"] == 0, tier_totals(other)
+
+
+def test_refused_at_startup(model3, tmp_path):
+    proc = run_launcher(model3, *COMMON, "--pp-size", "4")
+    assert proc.returncode == 1
+    assert "--pp-size 4 exceeds the model's 3 layers; allowed: 1 to 3" in proc.stderr, proc.stderr[-2000:]
+    next_model = make_tiny_model(str(tmp_path / "next"), "qwen3_next")
+    proc = run_launcher(next_model, *COMMON, "--pp-size", "2")
+    assert proc.returncode == 1
+    assert "--pp-size 2 is not supported for Qwen3NextForCausalLM" in proc.stderr, proc.stderr[-2000:]
