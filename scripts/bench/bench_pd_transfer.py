@@ -19,6 +19,12 @@ returns (Mooncake has no notifications). Per (prefill_tp, decode_tp, kv_heads) c
   own cost of scattered pages (``raw_pages_vs_raw``), so that ``ratio`` splits into NIXL's part
   and ours (``ratio_raw_pages`` = pd / raw_pages).
 
+``--state-layers N`` adds a Qwen3-Next-shaped Mamba state pool to every rank (N linear-attention
+layers; per layer a conv state of the q|k|v channels of 16 key / 32 value heads of 128, kernel 4,
+bf16, and a temporal state of 32 x 128 x 128 fp32 values, both sharded by heads): ``pd`` then
+moves the request's state slot after its KV (cut and joined per q/k/v segment under
+heterogeneous TP), and every baseline moves the same bytes, state included (``state_bytes``).
+
 ``--layout allocator`` replaces the random permutation of pages (the worst case: every page its
 own descriptor) with the pages a ``PagedAllocator`` hands a new request on a busy server (long
 runs: its free list is sorted); ``page runs`` in the output counts the runs consecutive on both
@@ -50,22 +56,54 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sglang.srt.disaggregation.base import DisaggregationMode, KVArgs, KVPoll, TransferConfig  # noqa: E402
-from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank  # noqa: E402
+from sglang.srt.disaggregation.common.pool_plan import kv_args_of_pools  # noqa: E402
+from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, state_row_slices  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool.mamba import MambaPool  # noqa: E402
 
 DEFAULT_CASES = "1x1x8,2x2x8,4x4x8,2x1x8,1x2x8,4x2x8,4x2x2"  # prefill_tp x decode_tp x kv_heads
 HEAD_DIM, ELEM = 128, 2  # bf16
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+# Qwen3-Next-80B's linear attention: key heads, value heads, head dims, conv kernel
+STATE_NK, STATE_NV, STATE_DK, STATE_DV, STATE_KERNEL = 16, 32, 128, 128, 4
+STATE_SLOT = 1  # the request's state slot on every rank
+
+
+def state_pool(args, tp_size: int) -> MambaPool | None:
+    """A rank's Mamba state pool (two slots) for ``--state-layers``, None without."""
+    if not args.state_layers:
+        return None
+    nk, nv = STATE_NK // tp_size, STATE_NV // tp_size
+    return MambaPool(2, [(2 * nk * STATE_DK + nv * STATE_DV, STATE_KERNEL - 1)], (nv, STATE_DK, STATE_DV),
+                     args.state_layers, conv_dtype=torch.bfloat16, ssm_dtype=torch.float32,
+                     conv_state_segments=[(nk * STATE_DK, nk * STATE_DK, nv * STATE_DV)])
+
+
+def state_pair_bytes(args, tp: int, p: int, td: int, d: int) -> int:
+    """State bytes prefill rank p sends decode rank d (the row runs of every state buffer)."""
+    if not args.state_layers:
+        return 0
+    src, dst = state_pool(args, tp), state_pool(args, td)
+    total = 0
+    for comp in src.components:
+        row_bytes = comp.item_bytes // comp.item_shape[0]
+        seg_src, seg_dst = src.row_segments[comp.name], dst.row_segments[comp.name]
+        rows = sum(run.num_rows for run in state_row_slices(seg_src, seg_dst, tp, p, td, d))
+        total += rows * row_bytes * args.state_layers
+    return total
 
 
 def pair_bytes(args, tp: int, td: int, heads: int) -> dict[tuple[int, int], int]:
-    """KV bytes prefill rank p sends decode rank d, for every pair that exchanges KV."""
+    """KV (and state) bytes prefill rank p sends decode rank d, for every pair that exchanges any."""
     out = {}
     for d in range(td):
-        for plan in plan_decode_rank(heads, tp, td, d, is_mla=False, has_state=False):
+        for plan in plan_decode_rank(heads, tp, td, d, is_mla=False, has_state=bool(args.state_layers)):
+            n = state_pair_bytes(args, tp, plan.prefill_rank, td, d) if plan.send_state else 0
             if plan.send_kv:
                 hs = head_slice(heads, tp, plan.prefill_rank, td, d)
-                out[(plan.prefill_rank, d)] = args.tokens * args.layers * 2 * hs.num_heads * HEAD_DIM * ELEM
+                n += args.tokens * args.layers * 2 * hs.num_heads * HEAD_DIM * ELEM
+            if n:
+                out[(plan.prefill_rank, d)] = n
     return out
 
 
@@ -96,13 +134,19 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
             buf.view(torch.int16).random_(-30000, 30000)
         else:
             buf.view(torch.int16).fill_(1)
-    kv_args = KVArgs.from_pools(pool, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size, total_kv_head_num=heads)
+    state = state_pool(args, tp_size)
+    for buf in (state.buffers.values() if state is not None else ()):
+        buf.view(torch.int16).random_(-30000, 30000) if mode is DisaggregationMode.PREFILL else buf.zero_()
+    kv_args = kv_args_of_pools(pool, [], state, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size,
+                               total_kv_head_num=heads)
     extra = {} if args.descriptor_cost_kib is None else {"descriptor_cost_bytes": args.descriptor_cost_kib << 10}
     if args.pack_chunk_mib:
         extra["pack_chunk_bytes"] = args.pack_chunk_mib << 20
     cfg = TransferConfig(bootstrap_addr=addr, transfer_timeout_s=600, bootstrap_timeout_s=120,
                          staging_bytes=args.staging_mib << 20, **extra)
-    return get_kv_class(args.backend, "manager")(kv_args, mode, cfg), pool
+    mgr = get_kv_class(args.backend, "manager")(kv_args, mode, cfg)
+    mgr.bench_state_pool = state  # registered memory: must outlive the manager
+    return mgr, pool
 
 
 def scattered_pages(pool, n: int, seed: int) -> list[int]:
@@ -209,7 +253,8 @@ class Worker:
         if self.role == "decode":
             recv = NixlKVReceiver(self.mgr, addr, room)
             poll_until([recv], (KVPoll.WaitingForInput,), 0.001)
-            recv.init(request_pages(self.args, self.pool, n_pages, page_seed(room, "decode", self.rank)))
+            recv.init(request_pages(self.args, self.pool, n_pages, page_seed(room, "decode", self.rank)),
+                      state_indices=[STATE_SLOT] if self.args.state_layers else None)
             self.conn.send("ready")
             state = poll_until([recv], TERMINAL, 0.001)[0]
             return int(state), time.monotonic()
@@ -220,7 +265,7 @@ class Worker:
         pages = request_pages(self.args, self.pool, n_pages, page_seed(room, "prefill", self.rank))  # untimed
         assert self.conn.recv() == ("go",)
         t0 = time.monotonic()
-        sender.send(pages)
+        sender.send(pages, [STATE_SLOT] if self.args.state_layers else None)
         state = poll_until([sender], TERMINAL, 0.0)[0]
         return int(state), t0
 
@@ -414,7 +459,8 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
             "raw_pages_vs_raw": round(gbps["raw_pages"] / gbps["raw"], 3), "descriptors_per_pair": descriptors,
             "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
             "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load,
-            "layout": args.layout, "page_runs_median": runs, "backend": args.backend}
+            "layout": args.layout, "page_runs_median": runs, "backend": args.backend,
+            "state_bytes": sum(state_pair_bytes(args, tp, p, td, d) for p, d in pairs)}
 
 
 def main(argv=None) -> int:
@@ -436,6 +482,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=("scattered", "allocator"), default="scattered",
                     help="source and destination pages: a random permutation (the worst case: no two "
                          "adjacent), or what the allocator hands a new request on a busy server")
+    ap.add_argument("--state-layers", type=int, default=0,
+                    help="add a Qwen3-Next-shaped Mamba state pool of this many layers (0: KV only)")
     ap.add_argument("--json", help="write one JSON record per case to this file")
     args = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -450,7 +498,8 @@ def main(argv=None) -> int:
         for tp, td, heads in cases:
             rec = run_case(co, args, tp, td, heads)
             records.append(rec)
-            print(f"TP {tp}->{td} H={heads}: {rec['bytes'] / 2**20:6.1f} MiB  pd {rec['gbps']:5.2f} GB/s  "
+            state = f" (state {rec['state_bytes'] / 2**20:.1f} MiB)" if rec["state_bytes"] else ""
+            print(f"TP {tp}->{td} H={heads}: {rec['bytes'] / 2**20:6.1f} MiB{state}  pd {rec['gbps']:5.2f} GB/s  "
                   f"raw {rec['baseline_gbps']:5.2f}  ratio {rec['ratio']:.2f}  single {rec['single_gbps']:5.2f}  "
                   f"ratio_single {rec['ratio_single']:.2f}  raw_pages {rec['raw_pages_gbps']:5.2f} "
                   f"(raw x{rec['raw_pages_vs_raw']:.2f}, pd/raw_pages {rec['ratio_raw_pages']:.2f})  "
