@@ -8,7 +8,14 @@ the embedding and layer 0; stage 1 layers 1-2, the norm and the head, which is t
   directory holds exactly what the stages report written, the same count per stage), the idle
   integrity check ran on every rank; a restart with the same split serves from storage; a
   restart at --pp-size 1 over the same directory finds nothing (another split never reads them);
-- refused at startup: more stages than layers, and an architecture without pipeline support.
+- Qwen3-Next (linear, full, linear, full: each stage one linear-attention layer with its state
+  pool and one full-attention layer with its KV pool) at --pp-size 2: without a prefix cache
+  the tokens of --pp-size 1 (logprobs within Qwen3-Next's 1e-4: chunk placement follows batch
+  composition) and of HF; with HiCache + file L3 host hits restore KV and
+  state on both stages, a restart with the same split serves from storage, one at --pp-size 1
+  finds nothing;
+- refused at startup: more stages than layers, an architecture without pipeline support, and a
+  Qwen3-Next split that leaves a stage without a full-attention layer.
 """
 
 import os
@@ -17,12 +24,17 @@ import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
 from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
 from test_hicache_storage import wait_backed_up
+from test_qwen3_next_e2e import COMMON as NEXT_COMMON
+from test_qwen3_next_e2e import LOGPROB_TOL as NEXT_LOGPROB_TOL
+from test_qwen3_next_e2e import SMALL_DEVICE as NEXT_SMALL_DEVICE
+from test_qwen3_next_e2e import WORKLOAD as NEXT_WORKLOAD
+from test_qwen3_next_e2e import run_later_rounds
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process, run_launcher
 
-register_cpu_ci(est_time=170, suite="nightly-cpu")
+register_cpu_ci(est_time=240, suite="nightly-cpu")
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +104,57 @@ def test_pp2_hicache_file_l3_per_stage(model3, reference, tmp_path):
     assert tier_totals(other)["storage"] == 0, tier_totals(other)
 
 
-def test_refused_at_startup(model3, tmp_path):
+@pytest.fixture(scope="module")
+def next4(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("next4")), "qwen3_next", "--layers", "4")
+
+
+@pytest.fixture(scope="module")
+def next_reference(next4):
+    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
+                               "--max-total-tokens", "8192") as srv:
+        return run_workload(srv, **NEXT_WORKLOAD)
+
+
+def test_qwen3_next_pp2_matches_pp1_and_hf(next4, next_reference):
+    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
+                               "--max-total-tokens", "8192", "--pp-size", "2") as srv:
+        turns = run_workload(srv, **NEXT_WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+    # tokens equal; logprobs within the Qwen3-Next tolerance: concurrent clients may meet other
+    # batch compositions, so prefill chunks (and the delta rule's chunking) can fall elsewhere
+    assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
+    assert_equal_hf_generate(next4, turns)
+
+
+def test_qwen3_next_pp2_hicache_host_then_storage(next4, next_reference, tmp_path):
+    flags = [*NEXT_COMMON, *NEXT_SMALL_DEVICE, *file_l3_flags(str(tmp_path / "l3")), "--pp-size", "2"]
+    with launch_server_process(next4, *flags) as srv:
+        turns = run_workload(srv, **NEXT_WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert wait_backed_up(srv) > 0
+        info = srv.get("/get_server_info").json()["scheduler"]
+    assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
+    assert tier_totals(turns)["host"] > 0, tier_totals(turns)
+    written = [s["pages_written"] for s in info["storage_per_rank"]]
+    assert len(written) == 2 and written[0] == written[1] > 0, written
+    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
+    with launch_server_process(next4, *flags) as srv:  # same split: KV pages and states from storage
+        assert run_later_rounds(srv, next_reference) > 0
+        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+    with launch_server_process(next4, *flags[:-2]) as srv:  # --pp-size 1: another split, nothing to read
+        assert run_later_rounds(srv, next_reference) == 0
+
+
+def test_refused_at_startup(model3, next4, tmp_path):
     proc = run_launcher(model3, *COMMON, "--pp-size", "4")
     assert proc.returncode == 1
     assert "--pp-size 4 exceeds the model's 3 layers; allowed: 1 to 3" in proc.stderr, proc.stderr[-2000:]
-    next_model = make_tiny_model(str(tmp_path / "next"), "qwen3_next")
-    proc = run_launcher(next_model, *COMMON, "--pp-size", "2")
+    deepseek = make_tiny_model(str(tmp_path / "deepseek"), "deepseek_v2")
+    proc = run_launcher(deepseek, *COMMON, "--pp-size", "2")
     assert proc.returncode == 1
-    assert "--pp-size 2 is not supported for Qwen3NextForCausalLM" in proc.stderr, proc.stderr[-2000:]
+    assert "--pp-size 2 is not supported for DeepseekV2ForCausalLM" in proc.stderr, proc.stderr[-2000:]
+    # 4 stages of one layer each: stages 0 and 2 hold only linear-attention layers
+    proc = run_launcher(next4, *COMMON, "--pp-size", "4")
+    assert proc.returncode == 1
+    assert "has no full_attention layer" in proc.stderr, proc.stderr[-2000:]

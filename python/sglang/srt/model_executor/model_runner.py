@@ -12,7 +12,6 @@ empty (batch, 0) placeholder), and ``sample`` hands the last stage's tokens to e
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import torch
 
@@ -25,6 +24,7 @@ from sglang.srt.distributed import (
 from sglang.srt.distributed.pipeline import (
     PipelineStage,
     broadcast_from_last_stage,
+    get_pp_indices,
     recv_proxy,
     send_proxy,
 )
@@ -116,7 +116,7 @@ class ModelRunner:
         mc = self.model_config
         if self.pp_size == 1:
             return mc.kv_pool_layout(self.tp_size)
-        hf = SimpleNamespace(**{**vars(mc.hf_config), "num_hidden_layers": self.stage.num_layers})
+        hf = mc.model_class.pipeline_stage_hf_config(mc.hf_config, self.stage.start_layer, self.stage.end_layer)
         return mc.model_class.kv_pool_layout(hf, self.tp_size, mc.dtype)
 
     def state_pool_slots(self) -> int:
@@ -175,9 +175,13 @@ def check_pipeline_support(model_config: ModelConfig, pp_size: int) -> None:
         return
     cls = model_config.model_class
     if not getattr(cls, "supports_pipeline_parallel", False):
-        raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: only models "
-                         "built from uniform decoder layers with one KV pool split by layer (Llama, Qwen3) "
-                         "run pipeline-parallel here; use --pp-size 1")
+        raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: only Llama, "
+                         "Qwen3 and Qwen3-Next build one pipeline stage's layers and pools; use --pp-size 1")
     layers = model_config.num_hidden_layers
     if pp_size > layers:
         raise ValueError(f"--pp-size {pp_size} exceeds the model's {layers} layers; allowed: 1 to {layers}")
+    for pp_rank in range(pp_size):  # every rank refuses the same split, before any waits on the others
+        try:
+            cls.pipeline_stage_hf_config(model_config.hf_config, *get_pp_indices(layers, pp_rank, pp_size))
+        except ValueError as exc:
+            raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: {exc}") from None

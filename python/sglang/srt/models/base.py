@@ -7,6 +7,8 @@ see ``model_executor/kv_pool_spec.py``). A subclass overrides the tables or the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from sglang.srt.model_executor.kv_pool_spec import KVPoolLayout, mha_layout
@@ -28,8 +30,8 @@ class ModelSpec:
         "hidden_act": "silu",
     }
     supported_hidden_acts: tuple[str, ...] = ("silu",)
-    # Whether the class builds only its pipeline stage's layers (``--pp-size`` > 1) from uniform
-    # decoder layers, so a stage's pools are the same pools over fewer layers.
+    # Whether the class builds only its pipeline stage's layers (``--pp-size`` > 1), so a stage's
+    # pools are the model's pools over fewer layers (``pipeline_stage_hf_config``).
     supports_pipeline_parallel: bool = False
 
     @classmethod
@@ -53,6 +55,16 @@ class ModelSpec:
             if rope.get("rope_type", "default") != "default" and hf.get("rope_scaling") is None:
                 hf["rope_scaling"] = dict(rope)
         return hf
+
+    @classmethod
+    def pipeline_stage_hf_config(cls, hf, start_layer: int, end_layer: int):
+        """The config a pipeline stage's pools are laid out from (``kv_pool_layout``): ``hf`` with
+        only the layers ``[start_layer, end_layer)`` (``num_hidden_layers`` and, where the model has
+        them, ``layer_types``). ValueError saying why when that stage cannot be served."""
+        view = {**vars(hf), "num_hidden_layers": end_layer - start_layer}
+        if getattr(hf, "layer_types", None) is not None:
+            view["layer_types"] = list(hf.layer_types[start_layer:end_layer])
+        return SimpleNamespace(**view)
 
     @classmethod
     def kv_pool_layout(cls, hf, tp_size: int, dtype: torch.dtype) -> KVPoolLayout:

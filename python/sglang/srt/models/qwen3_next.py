@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed.pipeline import PipelineStage, PPMissingLayer
 from sglang.srt.layers.activation import invariant_pointwise
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
@@ -280,22 +281,32 @@ class Qwen3NextDecoderLayer(PreNormDecoderLayer):
 
 
 class Qwen3NextModel(DecoderModel):
+    """Builds only this pipeline stage's part (``PipelineStage.current``); pool layer ids count the
+    stage's own full-attention (KV pool) and linear-attention (state pool) layers from 0."""
+
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage.current(config.num_hidden_layers)
+        holds_embedding = stage.is_first or (config.tie_word_embeddings and stage.is_last)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if holds_embedding
+                             else PPMissingLayer())
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, config.rope_theta,
                                      config.rope_scaling)
-        full, linear = full_attention_layers(config), linear_attention_layers(config)
-        pool_ids = {i: (full.index(i) if i in full else linear.index(i)) for i in range(config.num_hidden_layers)}
+        own = range(stage.start_layer, stage.end_layer)
+        full = [i for i in own if config.layer_types[i] == FULL]
+        linear = [i for i in own if config.layer_types[i] == LINEAR]
+        pool_ids = {i: (full.index(i) if i in full else linear.index(i)) for i in own}
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, rotary_emb, pool_ids[i]) for i in range(config.num_hidden_layers)
+            Qwen3NextDecoderLayer(config, i, rotary_emb, pool_ids[i]) if i in pool_ids else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = OffsetRMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
 
 
 class Qwen3NextForCausalLM(ModelSpec, CausalLM):
     hf_required_keys = ModelSpec.hf_required_keys + ("num_key_value_heads",)
+    supports_pipeline_parallel = True
     hf_config_defaults: ClassVar[dict] = {
         **ModelSpec.hf_config_defaults,
         "head_dim": 256,
@@ -347,6 +358,20 @@ class Qwen3NextForCausalLM(ModelSpec, CausalLM):
         hf["linear_value_dim"] = hf["linear_value_head_dim"] * hf["linear_num_value_heads"]
         hf["mlp_only_layers"] = list(hf["mlp_only_layers"] or [])
         return hf
+
+    @classmethod
+    def pipeline_stage_hf_config(cls, hf, start_layer: int, end_layer: int):
+        """A stage needs a full-attention layer (its KV pool is the tree's anchor) and, when the model
+        has linear-attention layers, one of those too (every rank keeps the same state slots)."""
+        stage = super().pipeline_stage_hf_config(hf, start_layer, end_layer)
+        needed = [FULL] + ([LINEAR] if LINEAR in hf.layer_types else [])
+        lacking = [kind for kind in needed if kind not in stage.layer_types]
+        if lacking:
+            raise ValueError(f"the pipeline stage of layers [{start_layer}, {end_layer}) has no "
+                             f"{' and no '.join(lacking)} layer (layer_types {hf.layer_types}); every stage of "
+                             "Qwen3-Next needs both its KV pool and its state pool; choose a --pp-size whose "
+                             "contiguous ranges each hold both kinds")
+        return stage
 
     @classmethod
     def kv_pool_layout(cls, hf, tp_size: int, dtype: torch.dtype) -> KVPoolLayout:

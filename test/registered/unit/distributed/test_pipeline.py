@@ -75,6 +75,18 @@ def test_qwen3_stage_builds_and_loads_only_its_part(pp_stage):
         assert [layer.self_attn.attn.layer_id for layer in model.model.layers[1:]] == [0, 1]
 
 
+def test_qwen3_next_stage_pools_and_refused_split():
+    from sglang.srt.models.qwen3_next import Qwen3NextForCausalLM
+
+    raw = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": 100, "full_attention_interval": 2}
+    hf = SimpleNamespace(**Qwen3NextForCausalLM.complete_hf_config(raw))
+    stage = Qwen3NextForCausalLM.pipeline_stage_hf_config(hf, 2, 4)
+    assert (stage.num_hidden_layers, stage.layer_types) == (2, ["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"layers \[0, 1\) has no full_attention layer"):
+        Qwen3NextForCausalLM.pipeline_stage_hf_config(hf, 0, 1)
+
+
 def _namespace(pp_rank: int, pp_size: int, shard: ShardMode = ShardMode.SHARDED) -> bytes:
     config = SimpleNamespace(model_name="m@0123", tp_rank=0, tp_size=1, pp_rank=pp_rank, pp_size=pp_size,
                              attn_cp_rank=0, attn_cp_size=1, namespace_salt="", dp_rank=0)
