@@ -23,6 +23,7 @@ from sglang.srt.disaggregation.common.rank_mapping import (
     owned_heads,
     plan_decode_rank,
     required_dst_info_num,
+    state_row_slices,
     state_slice,
     target_prefill_ranks,
 )
@@ -191,6 +192,32 @@ def test_state_rows_sliced_by_tp_shard(Tp, Td):
         want[:dst_rows * row_bytes] = np.arange(d * dst_rows * row_bytes, (d + 1) * dst_rows * row_bytes)
         np.testing.assert_array_equal(dst, want)
         np.testing.assert_array_equal(writes, (want != -1).astype(np.int64))
+
+
+@pytest.mark.parametrize("Tp,Td", list(itertools.product((1, 2, 4), (1, 2, 4))))
+def test_segmented_state_rows_join_and_cut_per_segment(Tp, Td):
+    """A conv state of q | k | v segments (8, 8, 16 global rows), each sharded across TP on its
+    own: every decode rank ends up with its slice of each segment, each row written once."""
+    segments = (8, 8, 16)
+    global_rows = np.arange(sum(segments))
+    starts = np.cumsum((0,) + segments[:-1])
+
+    def rank_rows(tp, r):  # the global rows a rank holds, in its own order
+        return np.concatenate([st + np.arange(r * n // tp, (r + 1) * n // tp) for st, n in zip(starts, segments)])
+
+    for d in range(Td):
+        got = np.full(sum(segments) // Td, -1)
+        for plan in plan_decode_rank(8, Tp, Td, d, is_mla=False, has_state=True):
+            held = global_rows[rank_rows(Tp, plan.prefill_rank)]
+            runs = state_row_slices([n // Tp for n in segments], [n // Td for n in segments], Tp, plan.prefill_rank,
+                                    Td, d)
+            for run in runs:
+                assert (got[run.dst_row_offset:run.dst_row_offset + run.num_rows] == -1).all()
+                got[run.dst_row_offset:run.dst_row_offset + run.num_rows] = held[
+                    run.src_row_offset:run.src_row_offset + run.num_rows]
+        np.testing.assert_array_equal(got, rank_rows(Td, d))
+    with pytest.raises(IncompatiblePeerError, match="state segments"):
+        state_row_slices([4, 4], [8], 2, 0, 1, 0)
 
 
 def test_page_runs_merge_pages_consecutive_on_both_sides():

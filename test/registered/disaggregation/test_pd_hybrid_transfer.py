@@ -8,6 +8,7 @@ q0 q1 | k0 k1 | v0 v1). A room completes only after every state sender reported.
 transfer-plan table refuses pools it cannot move together, naming them.
 """
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -145,3 +146,21 @@ def test_plan_table_refuses_pools_it_cannot_move_together():
     side = DSAIndexerPool(TOKENS, PAGE, 8, 1, torch.float32)
     with pytest.raises(ValueError, match=r"mha \(head_sliced_pages\), dsa_indexer \(whole_pages\) differ"):
         kv_args_of_pools(mha, [side], None, engine_rank=0, tp_rank=0, tp_size=1, total_kv_head_num=2)
+
+
+def test_state_segments_must_agree_at_bootstrap():
+    """A decode whose conv state splits into other segments is refused before any byte moves."""
+    from sglang.srt.disaggregation.base import IncompatiblePeerError
+    from sglang.srt.disaggregation.common.compat import PeerInfo, check_peer_compat
+
+    def peer(tp: int, segments) -> PeerInfo:
+        kv = MHATokenToKVPool(TOKENS, PAGE, torch.float32, 2 // tp, 4, 1)
+        state = Qwen3NextForCausalLM.kv_pool_layout(HF, tp, torch.float32).state.build(SLOTS, 1, "cpu")
+        if segments is not None:
+            state.row_segments = {**state.row_segments, "conv_0": segments}
+        args = kv_args_of_pools(kv, [], state, engine_rank=0, tp_rank=0, tp_size=tp, total_kv_head_num=2)
+        return PeerInfo.from_json(json.loads(json.dumps(PeerInfo.from_kv_args(args).to_json())))  # as on the wire
+
+    check_peer_compat(peer(2, None), peer(1, None))
+    with pytest.raises(IncompatiblePeerError, match="state buffer 1 TP segments mismatch"):
+        check_peer_compat(peer(2, None), peer(1, (2 * KD + VD,)))
