@@ -1,7 +1,7 @@
 """Set/get throughput of the L3 backends beside plain os.pwrite / os.pread of the same bytes.
 
     python scripts/bench/bench_storage.py [--page-kib 64 256 1024] [--pages 256] [--repeat 5]
-        [--warmup 1] [--obj] [--direct] [--json out.json]
+        [--warmup 1] [--obj] [--direct] [--mooncake] [--only ROW ...] [--json out.json]
 
 For each page size, an MLA host pool (one object per page, so the backend and the baseline
 write the same number of files) is filled with random bytes. Each backend stores and loads all
@@ -37,10 +37,13 @@ CPU seconds of the process (on a shared machine the least noisy view of the work
 meaningful for O_DIRECT, which waits on the device). ``--obj`` adds NIXL OBJ against a local
 moto S3 server (its ratio is against local files). ``--mooncake`` adds the Mooncake backend against a
 local ``mooncake_master`` (TCP on 127.0.0.1), its pages held by a separate client that contributes
-the store's only segment (the shared-L3 case: every page crosses the transfer engine), and a
-``mooncake_raw`` row: the same pages through a bare client's ``batch_put_from`` /
-``batch_get_into`` (no key derivation, trailer or check). The ``mooncake`` row's ratio is against
-``mooncake_raw`` (ours / raw), ``mooncake_raw``'s against local files. The load average is printed.
+the store's only segment (the shared-L3 case: every page crosses the transfer engine), and two bare
+clients moving the same pages (no key derivation, trailer, size query or check): ``mooncake_raw``
+through ``batch_put_from`` / ``batch_get_into`` (one call each), and ``mooncake_raw_ranged`` through
+the session API the backend uses (session start, one ranged call, session end). The ``mooncake``
+row is printed twice, once against each (ours / raw); the two raw rows against local files. The
+``versus`` column names the side a row is compared with. ``--only ROW...`` measures only those
+backend rows (and what they are compared with). The load average is printed.
 """
 
 from __future__ import annotations
@@ -226,6 +229,35 @@ class RawMooncake:
         self.store.close()
 
 
+class RawMooncakeRanged(RawMooncake):
+    """The same pages through the bare client's session API, the calls the ``mooncake`` backend
+    makes: ``batch_put_session_start`` + one ``batch_put_from_multi_buffer_ranges`` +
+    ``batch_put_session_end``, and ``batch_get_session_start`` + one
+    ``batch_get_into_multi_buffer_ranges`` + ``batch_get_session_end`` (Mooncake moves a ranged
+    batch as one scatter transfer). No trailer, size query or check: what this API costs, so the
+    ``mooncake`` row also reads as ours / (bare calls of the same kind)."""
+
+    def set(self, rep: int) -> None:
+        keys = self._keys(rep)
+        started = self.store.batch_put_session_start(keys, self.sizes)
+        codes = self.store.batch_put_from_multi_buffer_ranges(keys, [[p] for p in self.ptrs],
+                                                              [[n] for n in self.sizes], [[0]] * len(keys))
+        ended = self.store.batch_put_session_end(keys)
+        if any(started) or codes != self.sizes or any(ended):
+            raise RuntimeError(f"raw ranged Mooncake put: {sorted(set(started + codes + ended))}")
+
+    def get(self, rep: int) -> None:
+        keys = self._keys(rep)
+        started = self.store.batch_get_session_start(keys)
+        try:
+            codes = self.store.batch_get_into_multi_buffer_ranges(keys, [[p] for p in self.ptrs],
+                                                                  [[n] for n in self.sizes], [[0]] * len(keys))
+        finally:
+            self.store.batch_get_session_end(keys)
+        if any(started) or codes != self.sizes:
+            raise RuntimeError(f"raw ranged Mooncake get: {sorted(set(started + codes))}")
+
+
 class MooncakeHolder:
     """A ``mooncake_master`` on 127.0.0.1 and one client holding the store's only segment."""
 
@@ -324,7 +356,7 @@ def cases(args, root: str, endpoint: str | None, mooncake=None) -> list[tuple[st
         out.append(("nixl_obj", "nixl", obj_extra(endpoint), False))
     if mooncake is not None:  # no segment of its own: pages live in the holder's
         out.append(("mooncake", "mooncake", mooncake.master.extra_config(global_segment_size=0), False))
-    return out
+    return [case for case in out if not args.only or case[0] in args.only]
 
 
 def run_case(args, sides: dict) -> dict[str, dict[str, list[tuple[float, float]]]]:
@@ -372,7 +404,7 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None, mooncake=Non
     """Every backend and the baseline(s) of one page size, interleaved (see run_case)."""
     host = make_pool(page_bytes, args.pages)
     pages = [memoryview(host.get_data_page(i * PAGE_TOKENS, flat=False)[0].numpy()) for i in range(args.pages)]
-    stores, sides, baseline_of = [], {}, {}
+    stores, sides, pairs = [], {}, []  # (row, the side it is compared with, O_DIRECT)
     try:
         for label, name, extra, direct in cases(args, root, endpoint, mooncake):
             cfg = HiCacheStorageConfig.from_cache_params(CacheInitParams(page_size=PAGE_TOKENS), host, "bench", extra)
@@ -381,26 +413,30 @@ def measure(args, page_bytes: int, root: str, endpoint: str | None, mooncake=Non
             base = "baseline_direct" if direct else "baseline"
             if base not in sides:
                 sides[base] = Baseline(pages, f"{root}/{base}", direct)
-            baseline_of[label] = (base, direct)
-        if args.raw_nixl:
+            if label != "mooncake":
+                pairs.append((label, base, direct))
+        if args.raw_nixl and (not args.only or any(o.startswith("nixl") for o in args.only)):
             sides["nixl_raw"] = raw = RawNixl(pages, f"{root}/nixl_raw", False, host)
             stores.append(raw)
-            baseline_of["nixl_raw"] = ("baseline", False)
+            pairs.append(("nixl_raw", "baseline", False))
             if native_io.HASH:
                 sides["nixl_raw_hashed"] = hashed = RawNixlHashed(pages, f"{root}/nixl_raw_h", False, host)
                 stores.append(hashed)
-                baseline_of["nixl_raw_hashed"] = ("baseline", False)
-        if mooncake is not None:
+                pairs.append(("nixl_raw_hashed", "baseline", False))
+        if "mooncake" in sides:
             sides["mooncake_raw"] = raw = RawMooncake(host, pages, mooncake.master)
             stores.append(raw)
-            baseline_of["mooncake"] = ("mooncake_raw", False)  # ours / raw Mooncake
-            baseline_of["mooncake_raw"] = ("baseline", False)
+            sides["mooncake_raw_ranged"] = ranged = RawMooncakeRanged(host, pages, mooncake.master)
+            stores.append(ranged)
+            pairs += [("mooncake", "mooncake_raw", False),  # ours / raw Mooncake (the headline)
+                      ("mooncake", "mooncake_raw_ranged", False),  # ours / the same calls, bare
+                      ("mooncake_raw", "baseline", False), ("mooncake_raw_ranged", "baseline", False)]
         times = run_case(args, sides)
     finally:
         for store in stores:
             store.close()
     return [record(label, op, page_bytes, page_bytes * args.pages, times[label][op], times[base][op], args, direct)
-            for label, (base, direct) in baseline_of.items() for op in ("set", "get")]
+            | {"versus": base} for label, base, direct in pairs for op in ("set", "get")]
 
 
 def main() -> None:
@@ -416,12 +452,15 @@ def main() -> None:
                         help="skip the bare NIXL POSIX row (the same files moved by one NIXL transfer)")
     parser.add_argument("--mooncake", action="store_true",
                         help="also the Mooncake backend and a bare Mooncake client (a local mooncake_master)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="ROW",
+                        help="only these backend rows (file, file_1thread, nixl_posix, nixl_posix_direct, nixl_obj, "
+                             "mooncake), with the baseline rows they are compared with")
     parser.add_argument("--json", default=None, help="write the records to this file as a JSON list")
     args = parser.parse_args()
     root = args.dir or tempfile.mkdtemp(prefix="bench_storage_", dir="/tmp")
     moto, endpoint = start_moto() if args.obj else (None, None)
-    # room for one repetition of both Mooncake sides (each clears its pages after it), with slack
-    mooncake = MooncakeHolder(3 * args.pages * max(args.page_kib) * 1024) if args.mooncake else None
+    # room for one repetition of the three Mooncake sides (their pages are cleared after it), with slack
+    mooncake = MooncakeHolder(4 * args.pages * max(args.page_kib) * 1024) if args.mooncake else None
     load_before = os.getloadavg()
     records = []
     try:
@@ -438,17 +477,17 @@ def main() -> None:
     print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
     print("ratio: median over repetitions of baseline time / backend time (same bytes, same bucket tree, "
           "fresh files, no fsync on either side)")
-    print(f"{'backend':<18} {'op':<4} {'page':>8} {'GB/s':>7} {'plain':>7} {'ratio':>6} | {'best':>7} {'plain':>7} "
-          f"{'ratio':>6} {'cpu':>6}")
+    print(f"{'backend':<20} {'op':<4} {'page':>8} {'GB/s':>7} {'versus':>7} {'ratio':>6} | {'best':>7} {'versus':>7} "
+          f"{'ratio':>6} {'cpu':>6}  versus")
     for r in records:
         cpu = f"{r['cpu_ratio']:>6.2f}" if r["cpu_ratio"] is not None else f"{'-':>6}"
-        print(f"{r['backend']:<18} {r['op']:<4} {r['page_bytes'] // 1024:>6}Ki {r['gbps_median']:>7.2f} "
+        print(f"{r['backend']:<20} {r['op']:<4} {r['page_bytes'] // 1024:>6}Ki {r['gbps_median']:>7.2f} "
               f"{r['baseline_gbps_median']:>7.2f} {r['ratio']:>6.2f} | {r['gbps']:>7.2f} {r['baseline_gbps']:>7.2f} "
-              f"{r['ratio_best']:>6.2f} {cpu}")
+              f"{r['ratio_best']:>6.2f} {cpu}  {r['versus']}")
     for r in records:
         if r["backend"] == "mooncake":
-            print(f"mooncake / mooncake_raw at {r['page_bytes'] // 1024} KiB pages, {r['op']}: {r['ratio']:.2f} "
-                  f"(best over best {r['ratio_best']:.2f})")
+            print(f"mooncake / {r['versus']} at {r['page_bytes'] // 1024} KiB pages, {r['op']}: {r['ratio']:.2f} "
+                  f"(best over best {r['ratio_best']:.2f}, cpu {r['cpu_ratio']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -1,8 +1,9 @@
 """MooncakeStore against a real mooncake_master on 127.0.0.1 (sglang.test.mooncake_master).
 
-Round trips v1 and v2, the MLA rank-0 writer, integrity (a corrupt, short or foreign object is a
-removed miss), a page evicted between exists and get, two clients sharing one master, a peer
-that stops answering, and a master killed and restarted under a live backend.
+Round trips v1 and v2 (and without Mooncake's session API), the MLA rank-0 writer, integrity (a
+corrupt, short, grown or foreign object is a removed miss), a page evicted between exists and get
+or stored after the size query, a torn write revoked, two clients sharing one master, a peer that
+stops answering, and a master killed and restarted under a live backend.
 """
 
 import os
@@ -23,7 +24,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.mooncake_master import MooncakeMaster, mooncake_or_skip
 
-register_cpu_ci(est_time=36, suite="nightly-cpu")
+register_cpu_ci(est_time=42, suite="nightly-cpu")
 
 mooncake_or_skip()
 from sglang.srt.mem_cache.storage.mooncake_store import mooncake_store  # noqa: E402
@@ -203,6 +204,76 @@ def test_page_evicted_between_exists_and_get_is_a_miss(make_store):
     before = pages_of(host, 9, 1)[0]
     assert store.batch_get_v1(keys, slots(host, 8, 2)) == [True, False]
     assert torch.equal(pages_of(host, 9, 1)[0], before)  # an absent page leaves its slots alone
+    assert (store.get_stats()["corruptions"], store.get_stats()["failures"]) == (0, 0)
+
+
+def test_without_the_session_api(make_store):
+    """A wheel without the session calls: batches go through the multi-buffer calls, same results."""
+    host = host_pool(PoolKind.MHA)
+    fill_random(host, seed=14)
+    store = make_store(host)
+    store.client.session_api = False
+    keys = page_keys(3)
+    assert store.batch_set_v1(keys[:2], slots(host, 0, 2)) == [True] * 2
+    assert store.batch_get_v1(keys, slots(host, 8, 3)) == [True, True, False]
+    assert equal_pages(pages_of(host, 8, 2), pages_of(host, 0, 2))
+
+
+class _Wrapped:
+    """The client's Mooncake store with some calls replaced (pybind objects take no setattr)."""
+
+    def __init__(self, store, **calls):
+        self._store, self._calls = store, calls
+
+    def __getattr__(self, name):
+        return self._calls.get(name) or getattr(self._store, name)
+
+
+def test_a_torn_write_is_revoked_never_readable(make_store):
+    """A put whose ranged write fails for one object (or raises) revokes that object's session:
+    nothing readable is left under its key, and the next backup stores it."""
+    host = host_pool(PoolKind.MHA)
+    fill_random(host, seed=15)
+    store = make_store(host)
+    raw = store.client.store
+    keys = page_keys(4)
+
+    def lose_second(keys_, ptrs, sizes, offsets):  # the other objects are written, the second is not
+        codes = raw.batch_put_from_multi_buffer_ranges(keys_[:1] + keys_[2:], ptrs[:1] + ptrs[2:],
+                                                       sizes[:1] + sizes[2:], offsets[:1] + offsets[2:])
+        return codes[:1] + [-800] + codes[1:]  # TRANSFER_FAIL
+
+    def explode(*args):
+        raise RuntimeError("the write raised")
+
+    store.client.store = _Wrapped(raw, batch_put_from_multi_buffer_ranges=lose_second)
+    assert store.batch_set_v1(keys[:3], slots(host, 0, 3)) == [True, False, True]
+    store.client.store = _Wrapped(raw, batch_put_from_multi_buffer_ranges=explode)
+    assert store.batch_set_v1(keys[3:], slots(host, 3, 1)) == [False]
+    store.client.store = raw
+    assert [raw.is_exist(stored_key(store, k)) for k in keys] == [1, 0, 1, 0]
+    assert store.batch_set_v1(keys, slots(host, 0, 4)) == [True] * 4  # no reservation left behind
+    assert store.batch_get_v1(keys, slots(host, 8, 4)) == [True] * 4
+    assert equal_pages(pages_of(host, 8, 4), pages_of(host, 0, 4))
+
+
+def test_a_page_stored_after_the_size_query_is_a_miss(make_store):
+    """The size query (which answers {} when the master is gone) misses a key that the session
+    start then finds: a miss that leaves its slots alone, without a failure."""
+    host = host_pool(PoolKind.MHA)
+    fill_random(host, seed=16)
+    store = make_store(host)
+    keys = page_keys(2)
+    assert store.batch_set_v1(keys, slots(host, 0, 2)) == [True] * 2
+    raw = store.client.store
+    late = stored_key(store, keys[1])
+    store.client.store = _Wrapped(raw, batch_get_replica_desc=lambda ks: {
+        k: v for k, v in raw.batch_get_replica_desc(ks).items() if k != late})
+    before = pages_of(host, 9, 1)[0]
+    assert store.batch_get_v1(keys, slots(host, 8, 2)) == [True, False]
+    assert torch.equal(pages_of(host, 9, 1)[0], before)
+    store.client.store = raw
+    assert store.batch_get_v1(keys[1:], slots(host, 9, 1)) == [True]  # its session was ended
     assert (store.get_stats()["corruptions"], store.get_stats()["failures"]) == (0, 0)
 
 

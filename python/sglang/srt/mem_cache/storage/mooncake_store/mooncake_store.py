@@ -3,12 +3,12 @@
 A key's page of one pool is one store object, ``flat page || 64-byte integrity trailer``
 (``integrity.py``), named as every backend names it (``storage/keys.py``) under the client's
 key prefix. Pages move zero-copy: the host pools' buffers are registered with Mooncake, and a
-batch goes out in one ``batch_put_from_multi_buffers`` (each object gathered from its host
-chunks plus its trailer in a registered trailer area) and comes back in one
-``batch_get_into_multi_buffers`` (scattered into the same places), then every page is verified
-at once (``batch_trailers.py``). A page that fails verification (torn, corrupt, of another
-length, written by a foreign writer) is a miss: zeroed in host memory, removed from the store,
-counted. So is a page the store evicted between exists and get (Mooncake answers
+batch goes out in one put session (one ranged write of every object, gathered from its host
+chunks plus its trailer in a registered trailer area) and comes back in one get session (one
+ranged read, scattered into the same places; see ``store_client.py``), then every page is
+verified at once (``batch_trailers.py``). A page that fails verification (torn, corrupt, of
+another length, written by a foreign writer) is a miss: zeroed in host memory, removed from the
+store, counted. So is a page the store evicted between exists and get (Mooncake answers
 OBJECT_NOT_FOUND, or a lease expired mid-read and the bytes fail their checksum). Upstream-style
 pools without registered buffers (staged) go through Mooncake's local buffer instead.
 
