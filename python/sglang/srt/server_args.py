@@ -64,6 +64,9 @@ class ServerArgs:
     tp_size: int = opt(1, "tensor parallel ranks (one process each)")
     pp_size: int = opt(1, "pipeline parallel stages: contiguous layer ranges, one stage per tp_size ranks, so "
                        "tp_size x pp_size processes (docs/engine.md, Parallelism)")
+    attn_cp_size: int = opt(1, "attention context parallel ranks: each caches the KV of every attn_cp_size-th page "
+                            "of a sequence and attends over its share, partials combined across ranks; "
+                            "tp_size x attn_cp_size processes (docs/engine.md, Parallelism)")
     context_length: int | None = opt(None, "max tokens per request (prompt + output); default: the model's")
     served_model_name: str | None = opt(None, "model id reported by /v1/models; default: the directory name")
     tokenizer_path: str | None = opt(None, "directory with tokenizer.json (and tokenizer_config.json); "
@@ -169,6 +172,7 @@ class ServerArgs:
         self._check_hicache()
         self._check_host_memory_mode()
         self._check_pipeline()
+        self._check_context_parallel()
         self._check_disaggregation()
         self._check_kv_events()
 
@@ -178,6 +182,7 @@ class ServerArgs:
             ("model_path", isinstance(self.model_path, str) and bool(self.model_path), "a directory path"),
             ("tp_size", self.tp_size >= 1, "an integer >= 1"),
             ("pp_size", self.pp_size >= 1, "an integer >= 1"),
+            ("attn_cp_size", self.attn_cp_size >= 1, "an integer >= 1"),
             ("context_length", self.context_length is None or self.context_length >= 1, "unset or >= 1"),
             ("page_size", self.page_size >= 1, "an integer >= 1"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
@@ -349,6 +354,23 @@ class ServerArgs:
             raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: the stages hold "
                              "different layers, so one byte budget gives them different host slot counts while "
                              "the tree shares slot indices across ranks; use --hicache-ratio")
+
+    def _check_context_parallel(self) -> None:
+        """--attn-cp-size > 1: the combinations a CP split cannot serve (the architecture is checked
+        when the model is loaded)."""
+        if self.attn_cp_size == 1:
+            return
+        flag = f"--attn-cp-size {self.attn_cp_size}"
+        if self.pp_size > 1:
+            raise ValueError(f"{flag} is not supported with --pp-size {self.pp_size}: a CP rank runs the whole "
+                             "model; allowed: --attn-cp-size 1 with --pp-size > 1, or --pp-size 1")
+        if self.disaggregation_mode != "null":
+            raise ValueError(f"{flag} is not supported with --disaggregation-mode {self.disaggregation_mode}: PD "
+                             "moves one rank's whole KV pool per transfer, and a CP rank holds only its pages; "
+                             "allowed: --attn-cp-size 1")
+        if self.enable_hierarchical_cache and self.hicache_size > 0:
+            raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: use --hicache-ratio "
+                             "(every CP rank mirrors the same slots)")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_config is None:

@@ -1,4 +1,4 @@
-"""Process groups for tensor and pipeline parallelism.
+"""Process groups for tensor, pipeline and attention context parallelism.
 
 One ``GroupCoordinator`` describes a group: the TP group's ``device_group`` carries model
 collectives (gloo on CPU, nccl on CUDA) and its ``cpu_group`` (always gloo) carries small
@@ -11,6 +11,11 @@ With ``--pp-size`` the world is ``tp_size x pp_size`` ranks, global rank
 pipeline stage, its PP group the ranks of every stage at its TP rank (hidden states travel
 there, see ``pipeline.py``), and the world group (``get_world_group``, gloo only) carries the
 scheduler's message broadcast and every agreement that all ranks holding one tree must reach.
+
+With ``--attn-cp-size`` (not combined with ``--pp-size``) the grid is the same with CP in the
+place of PP: global rank ``attn_cp_rank * tp_size + tp_rank``, the TP group of a rank holds one
+CP rank's TP shards, its attention-CP group (``get_attn_cp_group``) the ranks holding the same
+heads on every CP rank, over which the partial attentions are combined (``context_parallel.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class GroupCoordinator:
 
 _TP = GroupCoordinator()
 _PP = GroupCoordinator()
+_CP = GroupCoordinator()
 _WORLD = GroupCoordinator()
 
 
@@ -100,26 +106,32 @@ def init_distributed_environment(
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int, device: str | torch.device = "cpu",
-                              pipeline_model_parallel_size: int = 1) -> None:
-    """Make the TP, PP and world groups over the default group, whose size must be
-    ``tensor_model_parallel_size * pipeline_model_parallel_size`` (no data parallelism)."""
-    global _TP, _PP, _WORLD
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+                              pipeline_model_parallel_size: int = 1, attn_context_parallel_size: int = 1) -> None:
+    """Make the TP, PP, attention-CP and world groups over the default group, whose size must be
+    ``tensor_model_parallel_size * pipeline_model_parallel_size * attn_context_parallel_size``
+    (no data parallelism; PP and CP are not combined)."""
+    global _TP, _PP, _CP, _WORLD
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, attn_context_parallel_size
+    if pp > 1 and cp > 1:
+        raise ValueError(f"pipeline_model_parallel_size {pp} with attn_context_parallel_size {cp} is not supported")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp * pp != world:
+    if tp * pp * cp != world:
         raise ValueError(
-            f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} must equal the world size {world}"
+            f"tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp} x attn_context_parallel_size "
+            f"{cp} must equal the world size {world}"
         )
     device = torch.device(device)
     if world == 1:
-        _TP = _PP = _WORLD = GroupCoordinator(device=device)
+        _TP = _PP = _CP = _WORLD = GroupCoordinator(device=device)
         return
     rank = dist.get_rank()
     backend = backend_for_device(device)
+    outer = pp * cp  # the stages or the CP ranks; the other dimension is 1
     # Every rank creates every group, in the same order (new_group is collective).
-    tp_groups = [tuple(range(s * tp, (s + 1) * tp)) for s in range(pp)]
-    pp_groups = [tuple(range(t, world, tp)) for t in range(tp)]
-    for kind, groups in (("tp", tp_groups), ("pp", pp_groups)):
+    tp_groups = [tuple(range(s * tp, (s + 1) * tp)) for s in range(outer)]
+    outer_groups = [tuple(range(t, world, tp)) for t in range(tp)]
+    _PP = _CP = GroupCoordinator(device=device)
+    for kind, groups in (("tp", tp_groups), ("pp" if pp > 1 else "cp", outer_groups)):
         for ranks in groups:
             device_group = dist.new_group(list(ranks), backend=backend) if len(ranks) > 1 else None
             cpu_group = dist.new_group(list(ranks), backend="gloo") if len(ranks) > 1 else None
@@ -127,8 +139,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int, device: str | tor
                 coord = GroupCoordinator(ranks.index(rank), len(ranks), device_group, cpu_group, device, ranks)
                 if kind == "tp":
                     _TP = coord
-                else:
+                elif kind == "pp":
                     _PP = coord
+                else:
+                    _CP = coord
     world_cpu = dist.new_group(list(range(world)), backend="gloo")
     _WORLD = GroupCoordinator(rank, world, None, world_cpu, device, tuple(range(world)))
 
@@ -140,6 +154,11 @@ def get_tp_group() -> GroupCoordinator:
 def get_pp_group() -> GroupCoordinator:
     """This rank's pipeline group (one rank per stage, at this rank's TP rank)."""
     return _PP
+
+
+def get_attn_cp_group() -> GroupCoordinator:
+    """This rank's attention context-parallel group (one rank per CP rank, at this TP rank)."""
+    return _CP
 
 
 def get_world_group() -> GroupCoordinator:
@@ -164,8 +183,8 @@ def get_tensor_model_parallel_world_size() -> int:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the TP, PP and world groups and leave the default process group (if any)."""
-    global _TP, _PP, _WORLD
-    _TP, _PP, _WORLD = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
+    """Forget the TP, PP, attention-CP and world groups and leave the default process group (if any)."""
+    global _TP, _PP, _CP, _WORLD
+    _TP, _PP, _CP, _WORLD = GroupCoordinator(), GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()

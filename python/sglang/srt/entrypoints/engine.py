@@ -44,7 +44,8 @@ class Engine:
         self.in_queue, self.out_queue = ctx.Queue(), ctx.Queue()
         status = ctx.Queue()
         pp_size = getattr(server_args, "pp_size", 1)
-        world = server_args.tp_size * pp_size  # global rank: pp_rank * tp_size + tp_rank
+        cp_size = getattr(server_args, "attn_cp_size", 1)
+        world = server_args.tp_size * pp_size * cp_size  # global rank: (pp_rank | attn_cp_rank) * tp_size + tp_rank
         dist_port = free_port() if world > 1 else None
         self.procs = []
         self._stopping = False
@@ -55,7 +56,8 @@ class Engine:
                 args=(server_args, rank, dist_port, self.in_queue if first else None,
                       self.out_queue if first else None, status, build_disaggregation, EventPublisherFactory.create),
                 name=f"sglang-scheduler-tp{rank % server_args.tp_size}"
-                     + (f"-pp{rank // server_args.tp_size}" if pp_size > 1 else ""),
+                     + (f"-pp{rank // server_args.tp_size}" if pp_size > 1 else "")
+                     + (f"-cp{rank // server_args.tp_size}" if cp_size > 1 else ""),
                 daemon=True,
             )
             proc.start()

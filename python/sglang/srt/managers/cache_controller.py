@@ -195,7 +195,8 @@ class HiCacheController:
         elif storage_backend_extra_config:
             raise ValueError("storage_backend_extra_config is set but storage_backend is None; set both or neither")
         # every rank holding the tree: the TP ranks of this stage, then the stages (PP)
-        self.agreement = TPAgreement(self.params.tp_cache_group, self.params.pp_cache_group)
+        self.agreement = TPAgreement(self.params.tp_cache_group, self.params.pp_cache_group,
+                                     self.params.attn_cp_cache_group)
         device = self.mem_pool_device.device
         self.write_lane = make_lane("hicache-write", device)
         self.load_lane = make_lane("hicache-load", device)

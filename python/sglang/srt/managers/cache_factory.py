@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang.srt.distributed import get_pp_group, get_tp_group
+from sglang.srt.distributed import get_attn_cp_group, get_pp_group, get_tp_group
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.controller.hicache_config import HiCacheConfig
@@ -56,9 +56,10 @@ def cache_init_params(args, runner) -> CacheInitParams:
         tp_size=runner.tp_size,
         tp_cache_group=get_tp_group().cpu_group,
         pp_cache_group=get_pp_group().cpu_group,  # pp_rank / pp_size read from it (0 / 1 without PP)
+        attn_cp_cache_group=get_attn_cp_group().cpu_group,  # attn_cp_rank / attn_cp_size likewise
         # rank 0 publishes; the other ranks hold the same tree and record nothing
         enable_kv_cache_events=(bool(getattr(args, "kv_events_config", None)) and runner.tp_rank == 0
-                                and getattr(runner, "pp_rank", 0) == 0),
+                                and getattr(runner, "pp_rank", 0) == 0 and getattr(runner, "attn_cp_rank", 0) == 0),
     )
 
 
@@ -79,9 +80,10 @@ def host_ratio(args, runner, params: CacheInitParams) -> float:
     device_bytes = sum(pool.mem_usage_bytes() for pool in runner.all_pools)
     # our TP x PP ranks all run on this host: the budget is split over them
     return auto_size_hicache(args.resolved_hicache_ratio, fraction, device_bytes,
-                             ranks_per_host=params.tp_size * params.pp_size,
-                             agree_min=TPAgreement(params.tp_cache_group, params.pp_cache_group).min,
-                             tp_rank=params.tp_rank + params.pp_rank * params.tp_size)
+                             ranks_per_host=params.tp_size * params.pp_size * params.attn_cp_size,
+                             agree_min=TPAgreement(params.tp_cache_group, params.pp_cache_group,
+                                                   params.attn_cp_cache_group).min,
+                             tp_rank=params.tp_rank + (params.pp_rank + params.attn_cp_rank) * params.tp_size)
 
 
 def hicache_config(args, hicache_ratio: float | None = None) -> HiCacheConfig:
@@ -193,6 +195,24 @@ def storage_controller_of(tree):
     """The L2<->L3 side of ``tree``'s controller (``StorageController``), or None."""
     controller = getattr(tree, "cache_controller", None)
     return getattr(controller, "storage", None)
+
+
+def controller_report(tree) -> dict | None:
+    """This rank's HiCache controller as /get_server_info shows it (None without HiCache): its
+    class, the parallel coordinates it took from CacheInitParams and those its storage config
+    carries (the L3 namespace is built from them)."""
+    controller = getattr(tree, "cache_controller", None)
+    if controller is None:
+        return None
+    config = getattr(controller, "storage_config", None)
+    return {
+        "class": type(controller).__name__,
+        "attn_cp_rank_and_size": list(controller.get_attn_cp_rank_and_size()),
+        "pp_rank": controller.params.pp_rank, "pp_size": controller.params.pp_size,
+        "storage_config": None if config is None else {
+            name: getattr(config, name) for name in ("tp_rank", "tp_size", "pp_rank", "pp_size", "attn_cp_rank",
+                                                     "attn_cp_size")},
+    }
 
 
 def storage_enabled(tree) -> bool:

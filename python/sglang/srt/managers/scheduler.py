@@ -26,7 +26,12 @@ from collections import deque
 import torch
 
 from sglang.srt.distributed import world_cpu_gather_objects
-from sglang.srt.managers.cache_factory import build_tree_cache, storage_controller_of, storage_enabled
+from sglang.srt.managers.cache_factory import (
+    build_tree_cache,
+    controller_report,
+    storage_controller_of,
+    storage_enabled,
+)
 from sglang.srt.managers.io_struct import (
     AbortReq,
     ControlKind,
@@ -57,11 +62,14 @@ STOP_STRING_TAIL_TOKENS = 8  # extra tokens decoded beyond the longest stop stri
 
 
 def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -> ModelRunnerConfig:
-    """``tp_rank``: the global rank, ``pp_rank * tp_size + tp_rank`` (under --pp-size)."""
-    pp_size = getattr(args, "pp_size", 1)
+    """``tp_rank``: the global rank, ``pp_rank * tp_size + tp_rank`` (under --pp-size; under
+    --attn-cp-size ``attn_cp_rank * tp_size + tp_rank``)."""
+    pp_size, cp_size = getattr(args, "pp_size", 1), getattr(args, "attn_cp_size", 1)
+    outer = tp_rank // args.tp_size  # the stage or the CP rank (PP and CP are not combined)
     return ModelRunnerConfig(
         model_path=args.model_path, load_format=args.load_format, device=args.device, dtype=args.dtype,
-        tp_size=args.tp_size, tp_rank=tp_rank % args.tp_size, pp_size=pp_size, pp_rank=tp_rank // args.tp_size,
+        tp_size=args.tp_size, tp_rank=tp_rank % args.tp_size, pp_size=pp_size, pp_rank=outer if pp_size > 1 else 0,
+        attn_cp_size=cp_size, attn_cp_rank=outer if cp_size > 1 else 0,
         dist_init_method=dist_init_method, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, context_length=args.context_length, seed=args.random_seed,
@@ -222,9 +230,11 @@ class Scheduler:
             # every rank's own L3 counters (e.g. MLA: TP rank 0 writes, the others skip; under
             # --pp-size every stage writes its layers) and idle integrity checks, in global rank
             # order; every rank handles this message at the same point, so the gather is collective
-            per_rank = world_cpu_gather_objects((payload["storage"], self.stats.counters.num_idle_checks))
-            payload["storage_per_rank"] = [storage for storage, _ in per_rank]
-            payload["idle_checks_per_rank"] = [checks for _, checks in per_rank]
+            per_rank = world_cpu_gather_objects((payload["storage"], self.stats.counters.num_idle_checks,
+                                                 controller_report(self.tree_cache)))
+            payload["storage_per_rank"] = [storage for storage, _, _ in per_rank]
+            payload["idle_checks_per_rank"] = [checks for _, checks, _ in per_rank]
+            payload["cache_controller_per_rank"] = [ctrl for _, _, ctrl in per_rank]
             if self.disagg is not None:
                 payload["disaggregation"] = self.disagg.info()
             return ControlOutput(msg.cid, True, payload=payload)

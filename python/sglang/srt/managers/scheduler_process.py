@@ -117,10 +117,11 @@ def run_scheduler_process(server_args, tp_rank: int, dist_port: int | None, in_q
     """Process entry: build the Scheduler (``disagg_factory``, ``kv_events_factory``: see
     ``Scheduler``), report ready (or the error), then loop. ``tp_rank`` is the global rank
     (``pp_rank * tp_size + tp_rank``; the TP rank itself without pipeline parallelism)."""
-    pp_size = getattr(server_args, "pp_size", 1)
-    tag = f"TP{tp_rank % server_args.tp_size}" + (f" PP{tp_rank // server_args.tp_size}" if pp_size > 1 else "")
+    pp_size, cp_size = getattr(server_args, "pp_size", 1), getattr(server_args, "attn_cp_size", 1)
+    tag = (f"TP{tp_rank % server_args.tp_size}" + (f" PP{tp_rank // server_args.tp_size}" if pp_size > 1 else "")
+           + (f" CP{tp_rank // server_args.tp_size}" if cp_size > 1 else ""))
     configure_logging(server_args.log_level, tag)
-    init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size * pp_size > 1 else None
+    init = f"tcp://127.0.0.1:{dist_port}" if server_args.tp_size * pp_size * cp_size > 1 else None
     try:
         from sglang.srt.managers.scheduler import Scheduler
 

@@ -17,6 +17,7 @@ import torch
 
 from sglang.srt.distributed import (
     destroy_model_parallel,
+    get_attn_cp_group,
     init_distributed_environment,
     initialize_model_parallel,
     world_cpu_all_reduce_min,
@@ -28,6 +29,7 @@ from sglang.srt.distributed.pipeline import (
     recv_proxy,
     send_proxy,
 )
+from sglang.srt.layers.attention.context_parallel_backend import ContextParallelAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
@@ -64,14 +66,19 @@ class ModelRunner:
             config.model_path, config.dtype, self.device.type, config.context_length
         )
         check_pipeline_support(self.model_config, self.pp_size)
+        self.attn_cp_rank, self.attn_cp_size = config.attn_cp_rank, config.attn_cp_size
+        check_context_parallel_support(self.model_config, self.attn_cp_size)
         if config.world_size > 1:
             init_distributed_environment(config.world_size, config.rank, config.dist_init_method, self.device)
-        initialize_model_parallel(config.tp_size, self.device, pipeline_model_parallel_size=config.pp_size)
+        initialize_model_parallel(config.tp_size, self.device, pipeline_model_parallel_size=config.pp_size,
+                                  attn_context_parallel_size=config.attn_cp_size)
         self.dtype = self.model_config.dtype
         self.stage = PipelineStage.current(self.model_config.num_hidden_layers)
         self.model = get_model(self.model_config, config.load_format, self.device, config.seed)
         self._init_memory_pools()
         self.attn_backend = TorchNativeAttnBackend(self.device)
+        if self.attn_cp_size > 1:  # this rank's share of the keys, partials combined over the CP group
+            self.attn_backend = ContextParallelAttnBackend(self.device, self.page_size, get_attn_cp_group())
         self.sampler = Sampler()
 
     def _init_memory_pools(self) -> None:
@@ -185,3 +192,14 @@ def check_pipeline_support(model_config: ModelConfig, pp_size: int) -> None:
             cls.pipeline_stage_hf_config(model_config.hf_config, *get_pp_indices(layers, pp_rank, pp_size))
         except ValueError as exc:
             raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: {exc}") from None
+
+
+def check_context_parallel_support(model_config: ModelConfig, attn_cp_size: int) -> None:
+    """ValueError unless ``model_config``'s attention can be split over ``attn_cp_size`` CP ranks
+    (plain causal MHA/GQA: ``supports_attn_context_parallel``)."""
+    if attn_cp_size == 1:
+        return
+    if not getattr(model_config.model_class, "supports_attn_context_parallel", False):
+        raise ValueError(f"--attn-cp-size {attn_cp_size} is not supported for {model_config.architecture}: only "
+                         "Llama, Qwen3 and Qwen3-Next (plain causal MHA/GQA over one KV pool; MLA, DSA, "
+                         "DeepSeek-V4 and MiMo's sinks and windows are not split); use --attn-cp-size 1")

@@ -20,6 +20,8 @@ class ModelRunnerConfig:
     tp_rank: int = 0
     pp_size: int = 1  # pipeline stages (--pp-size); the world is tp_size x pp_size ranks
     pp_rank: int = 0
+    attn_cp_size: int = 1  # attention context parallelism (--attn-cp-size); not combined with pp_size > 1
+    attn_cp_rank: int = 0
     dist_init_method: str | None = None  # e.g. "tcp://127.0.0.1:29500"; needed when tp_size x pp_size > 1
     page_size: int = 1
     max_total_tokens: int | None = None  # device KV slots; None: mem_fraction_static of free memory
@@ -39,6 +41,9 @@ class ModelRunnerConfig:
             ("tp_rank", 0 <= self.tp_rank < self.tp_size, f"in [0, tp_size={self.tp_size})"),
             ("pp_size", self.pp_size >= 1, ">= 1"),
             ("pp_rank", 0 <= self.pp_rank < self.pp_size, f"in [0, pp_size={self.pp_size})"),
+            ("attn_cp_size", self.attn_cp_size >= 1 and (self.attn_cp_size == 1 or self.pp_size == 1),
+             ">= 1, and 1 with pp_size > 1"),
+            ("attn_cp_rank", 0 <= self.attn_cp_rank < self.attn_cp_size, f"in [0, attn_cp_size={self.attn_cp_size})"),
             ("page_size", self.page_size >= 1, ">= 1"),
             ("max_total_tokens", self.max_total_tokens is None or self.max_total_tokens >= self.page_size,
              f"None or >= page_size={self.page_size}"),
@@ -53,9 +58,10 @@ class ModelRunnerConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.pp_size * self.attn_cp_size
 
     @property
     def rank(self) -> int:
-        """Global rank: ``pp_rank * tp_size + tp_rank`` (upstream's order)."""
-        return self.pp_rank * self.tp_size + self.tp_rank
+        """Global rank: ``pp_rank * tp_size + tp_rank`` (upstream's order); under attention
+        context parallelism ``attn_cp_rank * tp_size + tp_rank``."""
+        return (self.pp_rank * self.attn_cp_size + self.attn_cp_rank) * self.tp_size + self.tp_rank

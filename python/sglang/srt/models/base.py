@@ -33,6 +33,9 @@ class ModelSpec:
     # Whether the class builds only its pipeline stage's layers (``--pp-size`` > 1), so a stage's
     # pools are the model's pools over fewer layers (``pipeline_stage_hf_config``).
     supports_pipeline_parallel: bool = False
+    # Whether its attention is plain causal MHA/GQA over one KV pool, which --attn-cp-size > 1
+    # splits over CP ranks (layers/attention/context_parallel_backend.py).
+    supports_attn_context_parallel: bool = False
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:

@@ -226,6 +226,7 @@ GATE_UP_STACKED_PARAMS = ((".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", 
 class LlamaForCausalLM(ModelSpec, CausalLM):
     attention_cls = LlamaAttention
     supports_pipeline_parallel = True
+    supports_attn_context_parallel = True
     stacked_params_mapping = (*QKV_STACKED_PARAMS, *GATE_UP_STACKED_PARAMS)
 
     def __init__(self, config):

@@ -307,6 +307,7 @@ class Qwen3NextModel(DecoderModel):
 class Qwen3NextForCausalLM(ModelSpec, CausalLM):
     hf_required_keys = ModelSpec.hf_required_keys + ("num_key_value_heads",)
     supports_pipeline_parallel = True
+    supports_attn_context_parallel = True
     hf_config_defaults: ClassVar[dict] = {
         **ModelSpec.hf_config_defaults,
         "head_dim": 256,

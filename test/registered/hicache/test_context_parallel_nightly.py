@@ -1,0 +1,160 @@
+"""--attn-cp-size through the server, on a tiny Qwen3 (3 layers, tied embeddings) and a tiny
+Qwen3-Next (linear, full, linear, full):
+
+- greedy tokens at --attn-cp-size 2 (page round robin over 2 CP ranks, partial attentions combined
+  by log-sum-exp) equal --tp-size 1 and HF ``generate``, logprobs within 1e-4 (the combine sums
+  in another order); --tp-size 2 --attn-cp-size 2 (4 ranks) equal tokens too;
+- HiCache with file L3 at --attn-cp-size 2: host hits, every CP rank writes its own objects
+  (namespace carries cp rank/size), the idle integrity check ran on every rank; a restart with
+  the same split serves from storage; a restart at --attn-cp-size 1 finds nothing;
+- seed 003 on the served path: Qwen3-Next's HybridCacheController on each CP rank reports its own
+  attn_cp_rank and the shared attn_cp_size, and its storage config carries them;
+- refused at startup: an architecture without CP support (MLA), CP with --pp-size.
+"""
+
+import os
+
+import pytest
+from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
+from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
+from test_hicache_storage import wait_backed_up
+from test_qwen3_next_e2e import COMMON as NEXT_COMMON
+from test_qwen3_next_e2e import LOGPROB_TOL as NEXT_LOGPROB_TOL
+from test_qwen3_next_e2e import SMALL_DEVICE as NEXT_SMALL_DEVICE
+from test_qwen3_next_e2e import WORKLOAD as NEXT_WORKLOAD
+from test_qwen3_next_e2e import run_later_rounds
+
+from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.engine_utils import make_tiny_model
+from sglang.test.server_utils import launch_server_process, run_launcher
+
+register_cpu_ci(est_time=300, suite="nightly-cpu")
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model3(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny3")), "qwen3", "--layers", "3", "--tie")
+
+
+@pytest.fixture(scope="module")
+def reference(model3):
+    with launch_server_process(model3, *COMMON, *REFERENCE) as srv:
+        return run_workload(srv, **WORKLOAD)
+
+
+def _run(model, *flags):
+    with launch_server_process(model, *COMMON, *flags) as srv:
+        turns = run_workload(srv, **WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        per_rank = srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]
+    return turns, per_rank
+
+
+def test_cp2_matches_tp1_and_hf(model3, reference):
+    turns, per_rank = _run(model3, *REFERENCE, "--attn-cp-size", "2")
+    assert_same_tokens(reference, turns, LOGPROB_TOL)
+    assert len(per_rank) == 2 and min(per_rank) > 0
+    assert_equal_hf_generate(model3, turns)
+
+
+def test_cp2_page1_matches_tp1(model3, reference):
+    # --page-size 1: token round robin (upstream's interleave split)
+    turns, _ = _run(model3, *REFERENCE, "--attn-cp-size", "2", "--page-size", "1")
+    assert_same_tokens(reference, turns, LOGPROB_TOL)
+
+
+def test_tp2_cp2_matches_tp1(model3, reference):
+    turns, per_rank = _run(model3, *REFERENCE, "--tp-size", "2", "--attn-cp-size", "2")
+    assert_same_tokens(reference, turns, LOGPROB_TOL)
+    assert len(per_rank) == 4 and min(per_rank) > 0
+
+
+def _stored_objects(storage_dir: str) -> int:
+    return sum(len(files) for _, _, files in os.walk(storage_dir))
+
+
+def test_cp2_hicache_file_l3_per_rank(model3, reference, tmp_path):
+    storage_dir = str(tmp_path / "l3")
+    flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir)]
+    with launch_server_process(model3, *flags, "--attn-cp-size", "2") as srv:
+        first = run_workload(srv, **WORKLOAD)
+        assert_same_tokens(reference, first, LOGPROB_TOL)
+        assert tier_totals(first)["host"] > 0, tier_totals(first)
+        assert wait_backed_up(srv) > 0
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        info = srv.get("/get_server_info").json()["scheduler"]
+    written = [s["pages_written"] for s in info["storage_per_rank"]]
+    assert len(written) == 2 and written[0] == written[1] > 0, written
+    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
+    assert _stored_objects(storage_dir) == sum(written)  # each CP rank its own objects
+
+    with launch_server_process(model3, *flags, "--attn-cp-size", "2") as srv:
+        again = run_workload(srv, **WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+    assert_same_tokens(reference, again, LOGPROB_TOL)
+    assert tier_totals(again)["storage"] > 0, tier_totals(again)
+
+    with launch_server_process(model3, *flags) as srv:  # --attn-cp-size 1: another split
+        other = run_workload(srv, **WORKLOAD)
+    assert_same_tokens(reference, other)
+    assert tier_totals(other)["storage"] == 0, tier_totals(other)
+
+
+@pytest.fixture(scope="module")
+def next4(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("next4")), "qwen3_next", "--layers", "4")
+
+
+@pytest.fixture(scope="module")
+def next_reference(next4):
+    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
+                               "--max-total-tokens", "8192") as srv:
+        return run_workload(srv, **NEXT_WORKLOAD)
+
+
+def test_qwen3_next_cp2_matches_cp1_and_hf(next4, next_reference):
+    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
+                               "--max-total-tokens", "8192", "--attn-cp-size", "2") as srv:
+        turns = run_workload(srv, **NEXT_WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+    assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
+    assert_equal_hf_generate(next4, turns)
+
+
+def test_qwen3_next_cp2_hicache_seed003_and_storage(next4, next_reference, tmp_path):
+    flags = [*NEXT_COMMON, *NEXT_SMALL_DEVICE, *file_l3_flags(str(tmp_path / "l3")), "--attn-cp-size", "2"]
+    with launch_server_process(next4, *flags) as srv:
+        info = srv.get("/get_server_info").json()["scheduler"]
+        # seed 003 served: each CP rank's HybridCacheController from the one CacheInitParams
+        ctrl = info["cache_controller_per_rank"]
+        assert [c["class"] for c in ctrl] == ["HybridCacheController"] * 2, ctrl
+        assert [c["attn_cp_rank_and_size"] for c in ctrl] == [[0, 2], [1, 2]], ctrl
+        assert [[c["storage_config"]["attn_cp_rank"], c["storage_config"]["attn_cp_size"]] for c in ctrl] \
+            == [[0, 2], [1, 2]], ctrl
+        turns = run_workload(srv, **NEXT_WORKLOAD)
+        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert wait_backed_up(srv) > 0
+        info = srv.get("/get_server_info").json()["scheduler"]
+    assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
+    assert tier_totals(turns)["host"] > 0, tier_totals(turns)
+    written = [s["pages_written"] for s in info["storage_per_rank"]]
+    assert len(written) == 2 and min(written) > 0, written  # every CP rank writes its own KV and states
+    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
+    with launch_server_process(next4, *flags) as srv:  # same split: KV pages and states from storage
+        assert run_later_rounds(srv, next_reference) > 0
+        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+    with launch_server_process(next4, *flags[:-2]) as srv:  # --attn-cp-size 1: another split, nothing to read
+        assert run_later_rounds(srv, next_reference) == 0
+
+
+def test_refused_at_startup(model3, tmp_path):
+    deepseek = make_tiny_model(str(tmp_path / "deepseek"), "deepseek_v2")
+    proc = run_launcher(deepseek, *COMMON, "--attn-cp-size", "2")
+    assert proc.returncode == 1
+    assert "--attn-cp-size 2 is not supported for DeepseekV2ForCausalLM" in proc.stderr, proc.stderr[-2000:]
+    proc = run_launcher(model3, *COMMON, "--attn-cp-size", "2", "--pp-size", "2")
+    assert proc.returncode == 2  # a flag combination: refused while parsing
+    assert "--attn-cp-size 2 is not supported with --pp-size 2" in proc.stderr, proc.stderr[-2000:]
