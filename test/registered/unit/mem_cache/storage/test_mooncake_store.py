@@ -27,7 +27,7 @@ from sglang.test.mooncake_master import MooncakeMaster, mooncake_or_skip
 register_cpu_ci(est_time=42, suite="nightly-cpu")
 
 mooncake_or_skip()
-from sglang.srt.mem_cache.storage.mooncake_store import mooncake_store  # noqa: E402
+from sglang.srt.mem_cache.storage.mooncake_store import batch_plan, mooncake_store  # noqa: E402
 from sglang.srt.mem_cache.storage.mooncake_store.store_client import KEY_PREFIX  # noqa: E402
 
 TIMEOUT_S = 3.0  # transfer_timeout_s of every backend here
@@ -166,12 +166,15 @@ CORRUPTIONS = {
 }
 
 
-def test_corrupt_objects_are_removed_misses(make_store, monkeypatch):
-    """One page per fault, read beside two whole pages in three Mooncake calls."""
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in_place"])
+def test_corrupt_objects_are_removed_misses(make_store, monkeypatch, staged):
+    """One page per fault, read beside two whole pages in three Mooncake calls, through the
+    staging area (small pages) or straight into the host pages with a trailer row."""
     monkeypatch.setattr(mooncake_store, "OBJECTS_PER_BATCH", 3)
-    host = host_pool(PoolKind.MHA)
+    host = host_pool(PoolKind.MLA if staged else PoolKind.MHA)  # MLA: one chunk per page; MHA: K and V
     fill_random(host, seed=5)
     store = make_store(host)
+    assert (store._get_stage is not None) == staged
     n = len(CORRUPTIONS)
     keys = page_keys(n + 2)
     assert store.batch_set_v1(keys, slots(host, 0, n + 2)) == [True] * (n + 2)
@@ -193,8 +196,9 @@ def test_corrupt_objects_are_removed_misses(make_store, monkeypatch):
     assert torch.equal(pages_of(host, 9, 1)[0], pages_of(host, 1, 1)[0])
 
 
-def test_page_evicted_between_exists_and_get_is_a_miss(make_store):
-    host = host_pool(PoolKind.MHA)
+@pytest.mark.parametrize("kind", [PoolKind.MHA, PoolKind.MLA], ids=["in_place", "staged"])
+def test_page_evicted_between_exists_and_get_is_a_miss(make_store, kind):
+    host = host_pool(kind)
     fill_random(host, seed=7)
     store = make_store(host)
     keys = page_keys(2)
@@ -205,6 +209,27 @@ def test_page_evicted_between_exists_and_get_is_a_miss(make_store):
     assert store.batch_get_v1(keys, slots(host, 8, 2)) == [True, False]
     assert torch.equal(pages_of(host, 9, 1)[0], before)  # an absent page leaves its slots alone
     assert (store.get_stats()["corruptions"], store.get_stats()["failures"]) == (0, 0)
+
+
+def test_staging_room_splits_a_batch(make_store, monkeypatch):
+    """Small pages of one chunk go through the staging area; with room for two objects, six
+    pages go in three calls each way."""
+    page = host_pool(PoolKind.MLA).page_bytes
+    monkeypatch.setattr(batch_plan, "STAGING_BYTES", 2 * (page + batch_plan.TRAILER_BYTES))
+    host = host_pool(PoolKind.MLA)
+    fill_random(host, seed=17)
+    store = make_store(host)
+    assert store._get_stage is not None and store._get_stage.nbytes == batch_plan.STAGING_BYTES
+    calls = []
+    get_into, put_from = store.client.get_into, store.client.put_from
+    store.client.get_into = lambda names, ptrs, sizes: calls.append(("get", sizes)) or get_into(names, ptrs, sizes)
+    store.client.put_from = lambda names, ptrs, sizes: calls.append(("set", sizes)) or put_from(names, ptrs, sizes)
+    keys = page_keys(6)
+    assert store.batch_set_v1(keys, slots(host, 0, 6)) == [True] * 6
+    assert store.batch_get_v1(keys, slots(host, 8, 6)) == [True] * 6
+    assert equal_pages(pages_of(host, 8, 6), pages_of(host, 0, 6))
+    one = [[page + batch_plan.TRAILER_BYTES]] * 2  # each object one buffer: its payload and trailer
+    assert calls == [("set", one)] * 3 + [("get", one)] * 3
 
 
 def test_without_the_session_api(make_store):

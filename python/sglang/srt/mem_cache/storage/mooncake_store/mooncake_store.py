@@ -27,8 +27,18 @@ import numpy as np
 
 from sglang.srt.mem_cache.hicache_storage import PagedStorage
 from sglang.srt.mem_cache.storage import batch_trailers
-from sglang.srt.mem_cache.storage.integrity import HEADER_BYTES, page_is_whole, read_trailer
-from sglang.srt.mem_cache.storage.mooncake_store.batch_plan import TRAILER_BYTES, Batch, TrailerArea, plan, split
+from sglang.srt.mem_cache.storage.integrity import page_is_whole, read_trailer
+from sglang.srt.mem_cache.storage import native_io
+from sglang.srt.mem_cache.storage.mooncake_store import batch_plan
+from sglang.srt.mem_cache.storage.mooncake_store.batch_plan import (
+    TRAILER_BYTES,
+    Batch,
+    StagingArea,
+    TrailerArea,
+    plan,
+    split,
+    stages,
+)
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_config import parse_mooncake_options
 from sglang.srt.mem_cache.storage.mooncake_store.store_client import MooncakeClient, MooncakeUnavailable, Outcome
 from sglang.srt.mem_cache.storage.pool_codec import PageIO, PoolCodec
@@ -59,6 +69,8 @@ class MooncakeStore(PagedStorage):
         self._get_area, self._set_area = TrailerArea(OBJECTS_PER_BATCH), TrailerArea(OBJECTS_PER_BATCH)
         for area in (self._get_area, self._set_area):
             self.client.register(area.address, area.nbytes)
+        self._get_stage: StagingArea | None = None  # allocated when a pool has objects to stage
+        self._set_stage: StagingArea | None = None
         self._get_lock, self._set_lock = threading.Lock(), threading.Lock()
         logger.info("MooncakeStore: master %s (settings from %s), %s, segment %.2f GiB, transfer bound %.0fs",
                     self.options.master_server_address, self.options.source, self.options.protocol,
@@ -69,6 +81,11 @@ class MooncakeStore(PagedStorage):
     def _on_register(self, codec: PoolCodec) -> None:
         for buf in codec.host_buffers():
             self.client.register(buf.data_ptr(), buf.numel() * buf.element_size())
+        if (self._get_stage is None and native_io.HASH and not codec.is_marker and not codec.shape.staged
+                and any(stages(s.nbytes, s.num_chunks * codec.pages_per_key) for s in codec.segments)):
+            self._get_stage, self._set_stage = StagingArea(batch_plan.STAGING_BYTES), StagingArea(batch_plan.STAGING_BYTES)
+            for area in (self._get_stage, self._set_stage):
+                self.client.register(area.address, area.nbytes)
 
     # ---- existence ----------------------------------------------------------------------
     def _exists_objects(self, codec: PoolCodec, names: list[str]) -> list[bool]:
@@ -84,9 +101,10 @@ class MooncakeStore(PagedStorage):
         done: dict[int, bool] = {}
         direct = [p for p in pages if _zero_copy(p)]
         with self._get_lock:
-            for run in split(direct, OBJECTS_PER_BATCH):
-                batch = plan(run, self._get_area.rows)
-                batch.rows[:, -HEADER_BYTES:] = 0xFF  # a short read cannot leave an earlier valid header behind
+            stage = self._get_stage
+            for run in split(direct, OBJECTS_PER_BATCH, stage.nbytes if stage else 0):
+                batch = plan(run, self._get_area.rows, stage)
+                batch.poison()  # a short read cannot leave an earlier valid header behind
                 self._settle_read(batch, self.client.get_into(batch.names, batch.ptrs, batch.sizes), done)
         for page in pages:
             if not _zero_copy(page):
@@ -94,11 +112,15 @@ class MooncakeStore(PagedStorage):
         return [done[id(p)] for p in pages]
 
     def _settle_read(self, batch: Batch, outcomes: list[Outcome], done: dict[int, bool]) -> None:
-        """Verify a batch read (one hash pass, one trailer comparison); settle failed pages."""
+        """Verify a batch read (one hash pass, one trailer comparison); deliver the staged objects
+        of whole pages into host memory; settle failed pages."""
         moved = [o is Outcome.OK for o in outcomes]
+        batch.take_trailers()
         good = [m and v for m, v in zip(moved, batch.verified(batch.checksums()))]
+        flags = batch.page_flags(good)
+        batch.deliver([ok for ok, n in zip(flags, batch.per_page) for _ in range(n)])
         i = 0
-        for page, n, ok in zip(batch.pages, batch.per_page, batch.page_flags(good)):
+        for page, n, ok in zip(batch.pages, batch.per_page, flags):
             if not ok:
                 self._settle_failed(page, batch.names[i : i + n], batch.nbytes[i : i + n], outcomes[i : i + n])
             done[id(page)] = ok
@@ -152,9 +174,12 @@ class MooncakeStore(PagedStorage):
         done: dict[int, bool] = {}
         direct = [p for p in pages if _zero_copy(p)]
         with self._set_lock:
-            for run in split(direct, OBJECTS_PER_BATCH):
-                batch = plan(run, self._set_area.rows)
-                batch.rows[:] = batch.trailers(batch.checksums())
+            stage = self._set_stage
+            for run in split(direct, OBJECTS_PER_BATCH, stage.nbytes if stage else 0):
+                batch = plan(run, self._set_area.rows, stage)
+                if batch.staged is not None:
+                    batch.staged.fill()  # the bytes hashed are the bytes sent
+                batch.set_trailers(batch.trailers(batch.checksums()))
                 outcomes = self.client.put_from(batch.names, batch.ptrs, batch.sizes)
                 if any(o is not Outcome.OK for o in outcomes):
                     self.stats.add(failures=1, timeouts=int(Outcome.UNAVAILABLE in outcomes))
