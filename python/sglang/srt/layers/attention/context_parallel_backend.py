@@ -9,9 +9,10 @@ What each CP rank does in a forward: the whole batch runs through the (TP-sharde
 every CP rank, so the tokens, the logits and the sampling agree without extra traffic. In each
 attention layer a rank
 
-1. writes the K/V of the new tokens it owns (and only those) to its pool, at the slots the
-   shared page table gives them: the tree, the allocator and ``req_to_token`` are the same on
-   every rank; a rank's pool page holds valid bytes only for the pages it owns;
+1. writes the K/V of the new tokens it owns to its pool, at the slots the shared page table
+   gives them (the tree, the allocator and ``req_to_token`` are the same on every rank), and
+   zeros at the slots of the others' tokens: a rank's pool page holds its own KV or zeros, never
+   stale bytes of a page it owned before the slot was reused;
 2. attends every query over the keys it owns (causal mask by global position, keys of other
    ranks masked out), keeping the softmax numerator, denominator and row maximum per head;
 3. all-gathers those partials over its attention-CP group and combines them in rank order
@@ -76,8 +77,11 @@ class ContextParallelAttnBackend(TorchNativeAttnBackend):
             raise NotImplementedError("attention context parallelism serves plain causal MHA/GQA layers only")
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
-            rows = self._owned_rows
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc[rows], k[rows], v[rows])
+            # another rank's tokens as zeros: a slot reused from one of this rank's earlier pages
+            # must not carry those bytes on into its host and L3 copies
+            owned = self._owned_rows.view(-1, 1, 1)
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, torch.where(owned, k, 0.0),
+                               torch.where(owned, v, 0.0))
         k_buf = pool.get_key_buffer(layer.layer_id)
         v_buf = pool.get_value_buffer(layer.layer_id)
         heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
