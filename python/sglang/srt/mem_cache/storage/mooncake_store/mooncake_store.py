@@ -6,7 +6,8 @@ key prefix. Pages move zero-copy: the host pools' buffers are registered with Mo
 batch goes out in one put session (one ranged write of every object, gathered from its host
 chunks plus its trailer in a registered trailer area) and comes back in one get session (one
 ranged read, scattered into the same places; see ``store_client.py``), then every page is
-verified at once (``batch_trailers.py``). A page that fails verification (torn, corrupt, of
+verified at once (``batch_trailers.py``). Small pages of one host chunk travel through a
+registered staging area instead, payload and trailer in one buffer (``batch_plan.py``). A page that fails verification (torn, corrupt, of
 another length, written by a foreign writer) is a miss: zeroed in host memory, removed from the
 store, counted. So is a page the store evicted between exists and get (Mooncake answers
 OBJECT_NOT_FOUND, or a lease expired mid-read and the bytes fail their checksum). Upstream-style

@@ -170,11 +170,12 @@ class MooncakeClient:
         Through a get session (:data:`SESSION_API`): the stored sizes (one master query), one
         session start (the master's replica lookup, leased), one ranged read of every buffer of
         every object, then the session's end. Mooncake moves a ranged batch as one scatter
-        transfer: over TCP (0.3.13, 256 pages of 1 MiB on a loaded 2-core machine) the objects
-        with their trailers move at about 1.4x the speed of a bare ``batch_get_into`` of the
-        pages alone, and ``batch_get_into_multi_buffers`` at 1.1-1.2x less than this path
-        (``scripts/bench/bench_storage.py --mooncake``). Each buffer of an object still costs a
-        TCP request: about 55 us per trailer, which is what 64 KiB pages feel."""
+        transfer, which over TCP (0.3.13) ran at 1.0-1.4x the speed of ``batch_get_into`` of the
+        same pages (even on a quiet machine, ahead under load), where
+        ``batch_get_into_multi_buffers`` ran 1.1-1.7x slower than this path with the same
+        objects (``scripts/bench/bench_storage.py --mooncake``, 1 MiB pages). Each buffer of an
+        object is still a TCP request of its own (about 55 us): see ``batch_plan.py`` for the
+        small pages that are staged into one buffer."""
         self.check_available("get")
         keys = [KEY_PREFIX + n for n in names]
         totals = [sum(s) for s in sizes]
