@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.mooncake_master import MooncakeMaster, mooncake_or_skip
 
-register_cpu_ci(est_time=42, suite="nightly-cpu")
+register_cpu_ci(est_time=52, suite="nightly-cpu")
 
 mooncake_or_skip()
 from sglang.srt.mem_cache.storage.mooncake_store import batch_plan, mooncake_store  # noqa: E402
