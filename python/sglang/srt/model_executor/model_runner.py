@@ -29,7 +29,11 @@ from sglang.srt.distributed.pipeline import (
     recv_proxy,
     send_proxy,
 )
-from sglang.srt.layers.attention.context_parallel_backend import ContextParallelAttnBackend
+from sglang.srt.layers.attention.context_parallel_backend import (
+    ContextParallelAttnBackend,
+    forward_token_split,
+    replicate_state_mixers,
+)
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
@@ -78,7 +82,14 @@ class ModelRunner:
         self._init_memory_pools()
         self.attn_backend = TorchNativeAttnBackend(self.device)
         if self.attn_cp_size > 1:  # this rank's share of the keys, partials combined over the CP group
-            self.attn_backend = ContextParallelAttnBackend(self.device, self.page_size, get_attn_cp_group())
+            # tokens split over the CP ranks; linear-attention layers (a sequential state) run
+            # on every token, replicated
+            self.attn_backend = ContextParallelAttnBackend(self.device, self.page_size, get_attn_cp_group(),
+                                                           token_split=True)
+            replicated = replicate_state_mixers(self.model, self.attn_backend)
+            logger.info("attention CP rank %d of %d: KV of pages p with p %% %d == %d; tokens split over the CP "
+                        "ranks, %d linear-attention layers replicated", self.attn_cp_rank, self.attn_cp_size,
+                        self.attn_cp_size, self.attn_cp_rank, replicated)
         self.sampler = Sampler()
 
     def _init_memory_pools(self) -> None:
@@ -145,6 +156,8 @@ class ModelRunner:
         if counter is not None:  # -1 too: a batch without loads must not wait on a stale set
             counter.set_consumer(forward_batch.hicache_consumer_index)
         self.attn_backend.init_forward_metadata(forward_batch)
+        if getattr(self.attn_backend, "token_split", False):
+            return forward_token_split(self.model, forward_batch, self.attn_backend)
         if self.pp_size == 1:
             return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         proxy = None

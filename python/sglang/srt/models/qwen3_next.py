@@ -128,7 +128,7 @@ class Qwen3NextAttention(nn.Module):
         k = self.k_norm(k.reshape(-1, hk, d))
         q, k = self._rope(positions, q, k)
         out = self.attn(q, k, v.reshape(-1, hk, d), forward_batch)
-        out = out * torch.sigmoid(gate.reshape(out.shape[0], -1))
+        out = out * torch.sigmoid(gate.reshape(out.shape))  # (also 0 rows: a CP rank without tokens)
         return self.o_proj(out)
 
 
