@@ -64,9 +64,9 @@ class ServerArgs:
     tp_size: int = opt(1, "tensor parallel ranks (one process each)")
     pp_size: int = opt(1, "pipeline parallel stages: contiguous layer ranges, one stage per tp_size ranks, so "
                        "tp_size x pp_size processes (docs/engine.md, Parallelism)")
-    attn_cp_size: int = opt(1, "attention context parallel ranks: each caches the KV of every attn_cp_size-th page "
-                            "of a sequence and attends over its share, partials combined across ranks; "
-                            "tp_size x attn_cp_size processes (docs/engine.md, Parallelism)")
+    attn_cp_size: int = opt(1, "attention context parallel ranks: each runs and caches the tokens of every "
+                            "attn_cp_size-th page of a sequence and attends all queries over its share, partials "
+                            "combined across ranks; tp_size x attn_cp_size processes (docs/engine.md, Parallelism)")
     context_length: int | None = opt(None, "max tokens per request (prompt + output); default: the model's")
     served_model_name: str | None = opt(None, "model id reported by /v1/models; default: the directory name")
     tokenizer_path: str | None = opt(None, "directory with tokenizer.json (and tokenizer_config.json); "
