@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.controller.hicache_config import (
     WritePolicy,
 )
 from sglang.srt.mem_cache.pool_host.layout import HostLayout, IOBackend
+from sglang.srt.model_executor.state_pool_size import DEFAULT_MAMBA_FULL_MEMORY_RATIO
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,13 @@ class ServerArgs:
     mamba_track_interval: int = opt(256, "state models: also checkpoint the linear-attention state every this "
                                     "many tokens (rounded to a multiple of --page-size); branch points and the "
                                     "last page of each prefill are always checkpointed")
+    max_mamba_cache_size: int | None = opt(None, "state models: slots of the device state pool in all (running "
+                                           "requests' own plus prefix checkpoints); fewer than "
+                                           "--max-running-requests caps the requests running at once; default: "
+                                           "sized by --mamba-full-memory-ratio")
+    mamba_full_memory_ratio: float = opt(DEFAULT_MAMBA_FULL_MEMORY_RATIO, "state models without --max-mamba-cache-size: the state pool's "
+                                         "checkpoint share, in bytes, is this ratio of the device KV pool's (at "
+                                         "most one state per KV page), beside one slot per running request")
     radix_eviction_policy: str = opt("lru", "which unlocked prefix leaves the device first: lru (least recently "
                                      "used), lfu (least frequently used), slru (segmented LRU: prefixes hit fewer "
                                      "than protected_threshold times go first), priority (lower request priority "
@@ -192,6 +200,9 @@ class ServerArgs:
             ("chunked_prefill_size", self.chunked_prefill_size == -1 or self.chunked_prefill_size >= self.page_size,
              f"-1 (no chunking) or >= --page-size ({self.page_size})"),
             ("mamba_track_interval", self.mamba_track_interval >= 1, "an integer >= 1"),
+            ("max_mamba_cache_size", self.max_mamba_cache_size is None or self.max_mamba_cache_size >= 1,
+             "unset or an integer >= 1"),
+            ("mamba_full_memory_ratio", self.mamba_full_memory_ratio >= 0, "a number >= 0"),
             ("port", 1 <= self.port <= 65535, "in [1, 65535]"),
             ("schedule_conservativeness", 1.0 <= self.schedule_conservativeness <= 100.0, "in [1.0, 100.0]"),
             ("hicache_size", self.hicache_size >= 0, "a number of GB >= 0"),

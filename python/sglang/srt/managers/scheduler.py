@@ -73,6 +73,8 @@ def runner_config(args, tp_rank: int = 0, dist_init_method: str | None = None) -
         dist_init_method=dist_init_method, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests, context_length=args.context_length, seed=args.random_seed,
+        max_mamba_cache_size=args.max_mamba_cache_size, mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+        disable_radix_cache=args.disable_radix_cache,
     )
 
 

@@ -100,10 +100,10 @@ class ModelRunner:
         else:
             per_token = layout.bytes_per_token(self.page_size)
             budget = int(available_memory_bytes(self.device) * cfg.mem_fraction_static)
-            if layout.state is not None:  # the own-slot state pool comes out of the same budget
-                one = layout.state.build(1, 1, "meta")
-                budget -= one.get_size_per_token() * (self.state_pool_slots() + one.total_slots - one.size)
-            tokens = max(budget, 0) // max(1, per_token)
+            if layout.state is not None:  # the state pool comes out of the same budget
+                tokens = cfg.state_pool_size.kv_tokens(budget, per_token, self.page_size, self._state_slot_bytes())
+            else:
+                tokens = max(budget, 0) // max(1, per_token)
             # More than every request slot at full context can never be in use at once.
             tokens = min(tokens, cfg.max_running_requests * mc.context_len)
         # Every rank (TP and PP) must hold the same slots: the scheduler's indices are shared.
@@ -116,7 +116,15 @@ class ModelRunner:
         self.side_pools = {spec.kind: spec.build(tokens, self.page_size, self.device) for spec in layout.sidecars}
         self.state_pool = None
         if layout.state is not None:
-            self.state_pool = layout.state.build(self.state_pool_slots(), 1, self.device)
+            slots = cfg.state_pool_size.num_slots(tokens, layout.bytes_per_token(self.page_size), self.page_size,
+                                                  self._state_slot_bytes())
+            # pipeline stages differ in bytes per slot; the tree's state slot ids are shared
+            slots = world_cpu_all_reduce_min([slots])[0]
+            self.state_pool = layout.state.build(slots, 1, self.device)
+            own = min(slots, cfg.max_running_requests)
+            logger.info("state pool: %d slots, %d for running requests' own, %d for prefix checkpoints%s", slots,
+                        own, slots - own, "" if own == cfg.max_running_requests else
+                        f" (--max-mamba-cache-size {slots} caps the requests running at once to {slots})")
         self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(tokens, self.page_size, kvcache=self.token_to_kv_pool)
         self.req_to_token_pool = ReqToTokenPool(cfg.max_running_requests, mc.context_len, self.device)
         logger.info(
@@ -137,9 +145,9 @@ class ModelRunner:
         hf = mc.model_class.pipeline_stage_hf_config(mc.hf_config, self.stage.start_layer, self.stage.end_layer)
         return mc.model_class.kv_pool_layout(hf, self.tp_size, mc.dtype)
 
-    def state_pool_slots(self) -> int:
-        """Own-slot states (Mamba): one per running request, as many again for cached prefixes."""
-        return 2 * self.config.max_running_requests
+    def _state_slot_bytes(self) -> int:
+        """Bytes of one slot of the layout's state pool (model_executor/state_pool_size.py sizes it)."""
+        return self.kv_pool_layout.state.build(1, 1, "meta").get_size_per_token()
 
     @property
     def all_pools(self) -> list:

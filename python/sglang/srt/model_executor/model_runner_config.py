@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sglang.srt.model_executor.model_config import DTYPES
 from sglang.srt.model_executor.model_loader import LoadFormat
+from sglang.srt.model_executor.state_pool_size import DEFAULT_MAMBA_FULL_MEMORY_RATIO, StatePoolSize
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -29,6 +30,10 @@ class ModelRunnerConfig:
     max_running_requests: int = 256  # rows of ReqToTokenPool
     context_length: int | None = None  # None: the config's max_position_embeddings
     seed: int = 0  # weights of load_format="dummy"
+    # state models: slots of the state pool (state_pool_size.py; upstream's flags)
+    max_mamba_cache_size: int | None = None
+    mamba_full_memory_ratio: float = DEFAULT_MAMBA_FULL_MEMORY_RATIO
+    disable_radix_cache: bool = False  # no prefix cache: the state pool holds running requests only
 
     def __post_init__(self):
         LoadFormat.parse(self.load_format)
@@ -53,8 +58,14 @@ class ModelRunnerConfig:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid; must be {allowed}")
+        StatePoolSize(self.max_running_requests, self.max_mamba_cache_size, self.mamba_full_memory_ratio)  # checks
         if self.world_size > 1 and not self.dist_init_method:
             raise ValueError("dist_init_method (e.g. 'tcp://127.0.0.1:29500') is required when tp_size x pp_size > 1")
+
+    @property
+    def state_pool_size(self) -> StatePoolSize:
+        return StatePoolSize(self.max_running_requests, self.max_mamba_cache_size, self.mamba_full_memory_ratio,
+                             prefix_cache=not self.disable_radix_cache)
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,9 @@ from sglang.srt.mem_cache.mamba_radix_cache import MambaRadixCache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.memory_pool.mamba import MambaPool
 from sglang.srt.mem_cache.radix.radix_key import RadixKey
+from sglang.srt.model_executor.model_runner_config import ModelRunnerConfig
 from sglang.srt.model_executor.state_pool_size import StatePoolSize
+from sglang.srt.server_args import ServerArgs
 from sglang.test.ci.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=4, suite="per-commit-cpu")
@@ -53,6 +55,20 @@ def test_memory_budget_split_between_kv_and_states():
         assert slots - 8 == pytest.approx(share_of_kv * tokens * 100 / 1000, abs=1), page
     fixed = StatePoolSize(8, max_mamba_cache_size=50)
     assert fixed.kv_tokens(budget, 100, 16, 1000) == (budget - 51 * 1000) // 100
+
+
+def test_flags_reach_the_runner_and_are_checked():
+    args = ServerArgs(model_path="m", max_mamba_cache_size=6, mamba_full_memory_ratio=0.5, disable_radix_cache=True)
+    from sglang.srt.managers.scheduler import runner_config
+
+    size = runner_config(args).state_pool_size
+    assert (size.max_mamba_cache_size, size.mamba_full_memory_ratio, size.prefix_cache) == (6, 0.5, False)
+    with pytest.raises(ValueError, match="--max-mamba-cache-size 0 is invalid; must be unset or an integer >= 1"):
+        ServerArgs(model_path="m", max_mamba_cache_size=0)
+    with pytest.raises(ValueError, match="--mamba-full-memory-ratio -1.0 is invalid; must be a number >= 0"):
+        ServerArgs(model_path="m", mamba_full_memory_ratio=-1.0)
+    with pytest.raises(ValueError, match="max_mamba_cache_size=0 is invalid"):
+        ModelRunnerConfig("m", max_mamba_cache_size=0)
 
 
 # ---- a pool smaller than the checkpoints a workload wants -------------------------------------------

@@ -136,11 +136,11 @@ def test_checkpoints_are_evicted_when_requests_need_state_slots(model_path, hf_m
     """A state pool too small to keep every checkpoint: requests still run (checkpoints are evicted
     or skipped), outputs stay equal to HF, and the counts add up after every step."""
     sched = _scheduler(model_path, chunked_prefill_size=-1, mamba_track_interval=PAGE, max_running_requests=2,
-                       **TREES[tree])
+                       max_mamba_cache_size=4, **TREES[tree])
     _workload(sched, hf_model)
     pool = sched.runner.state_pool
     tree_states = sum(n.mamba_value is not None for n in sched.tree_cache._all_nodes())
-    assert pool.available_size() + tree_states == pool.size and tree_states <= pool.size
+    assert pool.size == 4 and pool.available_size() + tree_states == pool.size
     sched.shutdown()
 
 
