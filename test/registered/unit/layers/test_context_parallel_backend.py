@@ -1,7 +1,7 @@
 """Attention context parallelism in one process: two CP ranks' backends over their own pools and
 the same page table; each writes only the K/V of the pages it owns (page round robin), and their
 partial attentions combined equal dense causal attention, for a prefill over a cached prefix and
-a decode step. Plus the --attn-cp-size combinations refused at startup. The served path (tokens
+a decode step, each token's K/V written by the rank that runs it. Plus the --attn-cp-size combinations refused at startup. The served path (tokens
 equal to --tp-size 1 and HF, HiCache per CP rank, seed 003's controllers) is
 test/registered/hicache/test_context_parallel_nightly.py."""
 
@@ -61,12 +61,17 @@ class Ranks:
         return self.allocator.alloc(-(-n // self.page_size) * self.page_size)[:n]
 
     def forward(self, make_batch, q, k, v):
-        """Every rank's partials for the batch (``make_batch(runner)``), combined."""
+        """The batch (``make_batch(runner)``) as the server runs it (token split): each rank writes
+        the K/V of its own rows, attends every query (the all-gathered q) over its keys; the
+        partials combined: the output of every row (every row runs on exactly one rank)."""
         parts = []
         for runner in self.runners:
-            batch = make_batch(runner)
-            runner.attn_backend.init_forward_metadata(batch)
-            parts.append(runner.attn_backend.local_partials(q, k, v, self.layer, batch))
+            batch, backend = make_batch(runner), runner.attn_backend
+            backend.init_forward_metadata(batch)
+            rows = backend.local_rows
+            backend._save_local_kv(k[rows], v[rows], self.layer, batch)
+            parts.append(backend.local_partials(q, None, None, self.layer, batch, save_kv_cache=False))
+        assert sorted(torch.cat([r.attn_backend.local_rows for r in self.runners]).tolist()) == list(range(q.shape[0]))
         return combine_partials(torch.stack(parts), HEADS, HEAD_DIM)
 
 
