@@ -30,28 +30,26 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
 
 def tensor_model_parallel_cpu_all_reduce_min(values: list[int]) -> list[int]:
     """MIN-reduce small integers over the TP group's gloo group (control-plane agreement)."""
-    group = get_tp_group()
-    if group.world_size == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group.cpu_group)
-    return t.tolist()
+    return _cpu_all_reduce_min(get_tp_group(), values)
 
 
 def tensor_model_parallel_cpu_gather_objects(obj) -> list:
     """Every TP rank's ``obj`` (picklable), in rank order, on every rank (gloo group)."""
-    group = get_tp_group()
-    if group.world_size == 1:
-        return [obj]
-    out = [None] * group.world_size
-    dist.all_gather_object(out, obj, group=group.cpu_group)
-    return out
+    return _cpu_gather_objects(get_tp_group(), obj)
 
 
 def world_cpu_all_reduce_min(values: list[int]) -> list[int]:
     """MIN-reduce small integers over every rank of the server (TP x PP; gloo), e.g. the KV
     slots every rank must hold alike."""
-    group = get_world_group()
+    return _cpu_all_reduce_min(get_world_group(), values)
+
+
+def world_cpu_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in global rank order, on every rank (gloo)."""
+    return _cpu_gather_objects(get_world_group(), obj)
+
+
+def _cpu_all_reduce_min(group, values: list[int]) -> list[int]:
     if group.world_size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.int64)
@@ -59,9 +57,7 @@ def world_cpu_all_reduce_min(values: list[int]) -> list[int]:
     return t.tolist()
 
 
-def world_cpu_gather_objects(obj) -> list:
-    """Every rank's ``obj`` (picklable), in global rank order, on every rank (gloo)."""
-    group = get_world_group()
+def _cpu_gather_objects(group, obj) -> list:
     if group.world_size == 1:
         return [obj]
     out = [None] * group.world_size
