@@ -9,6 +9,8 @@ survivor must stay healthy, settle with no room open and pass its idle integrity
 slot free, in the tree or held; a failed check kills the server).
 """
 
+import contextlib
+import signal
 import threading
 import time
 
@@ -42,20 +44,18 @@ ERROR_BOUND_S = 15  # the client's error must come well before this (the timeout
 PROMPT = [11 + (i * 29) % 700 for i in range(300)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    import signal
-
-    model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
+@contextlib.contextmanager
+def killable_cluster(model: str, logs: str, *flags: str):
+    """One prefill server and two decode servers, each decode behind its own PD router (no retries:
+    a dead decode server is reported at once; with retries the router backs off five times first,
+    ~12 s). A SIGSTOPped prefill scheduler is resumed before everything is stopped."""
     (bootstrap_port,) = free_ports(1)
-    logs = str(tmp_path_factory.mktemp("logs"))
-    prefill, decode1, decode2 = launch_servers(model, [prefill_flags(bootstrap_port), decode_flags(), decode_flags()],
-                                               env=ENV, log_dir=logs)
+    prefill, decode1, decode2 = launch_servers(
+        model, [prefill_flags(bootstrap_port, *flags), decode_flags(*flags), decode_flags(*flags)], env=ENV,
+        log_dir=logs)
     routers = []
     try:
         for dec in (decode1, decode2):
-            # no retries: a dead decode server is reported at once (with retries the router backs off
-            # five times first, ~12 s)
             routers.append(launch_pd_router([(prefill.url, bootstrap_port)], [dec.url], "--disable-retries",
                                             log_dir=logs))
         yield {"prefill": prefill, "decode1": decode1, "decode2": decode2, "router1": routers[0],
@@ -65,6 +65,13 @@ def cluster(tmp_path_factory):
             signal_pids(scheduler_pids(prefill), signal.SIGCONT)
         for proc in (*routers, prefill, decode1, decode2):
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = make_tiny_model(str(tmp_path_factory.mktemp("tiny")), "qwen3")
+    with killable_cluster(model, str(tmp_path_factory.mktemp("logs"))) as c:
+        yield c
 
 
 class Client(threading.Thread):
@@ -147,7 +154,6 @@ def test_client_gone_while_waiting_for_its_peer(cluster):
 def _pin_in_decode_transfer_queue(cluster, router_key: str, decode_key: str) -> tuple[Client, list[int]]:
     """Stop prefill's scheduler, send a request through the router, return once decode holds it
     in its transfer queue (its pages reserved, its KV not sent)."""
-    import signal
 
     generate_ids(cluster[router_key].url, PROMPT[:50], 4)  # paired; the bootstrap lookup is cached
     pids = scheduler_pids(cluster["prefill"])
@@ -162,7 +168,6 @@ def _pin_in_decode_transfer_queue(cluster, router_key: str, decode_key: str) -> 
 
 
 def test_decode_killed_mid_request(cluster):
-    import signal
 
     client, pids = _pin_in_decode_transfer_queue(cluster, "router1", "decode1")
     kill_server(cluster["decode1"])

@@ -9,25 +9,15 @@ import signal
 
 import pytest
 
-from pd_cluster import (
-    decode_flags,
-    free_ports,
-    kill_server,
-    launch_servers,
-    prefill_flags,
-    scheduler_info,
-    signal_pids,
-    scheduler_pids,
-)
+from pd_cluster import kill_server, scheduler_info, signal_pids
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
-from sglang.test.router_utils import launch_pd_router
 from test_pd_server_failures import (
-    ENV,
     ERROR_BOUND_S,
     TIMEOUT_S,
     _pin_in_decode_transfer_queue,
     assert_settled_clean,
+    killable_cluster,
     wait_for,
 )
 
@@ -39,23 +29,8 @@ FLAGS = ("--disable-radix-cache",)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     model = make_tiny_model(str(tmp_path_factory.mktemp("qwen3_next")), "qwen3_next", "--layers", "4")
-    (bootstrap_port,) = free_ports(1)
-    logs = str(tmp_path_factory.mktemp("logs"))
-    prefill, decode1, decode2 = launch_servers(
-        model, [prefill_flags(bootstrap_port, *FLAGS), decode_flags(*FLAGS), decode_flags(*FLAGS)], env=ENV,
-        log_dir=logs)
-    routers = []
-    try:
-        for dec in (decode1, decode2):
-            routers.append(launch_pd_router([(prefill.url, bootstrap_port)], [dec.url], "--disable-retries",
-                                            log_dir=logs))
-        yield {"prefill": prefill, "decode1": decode1, "decode2": decode2, "router1": routers[0],
-               "router2": routers[1], "bootstrap_port": bootstrap_port}
-    finally:
-        if prefill.proc.poll() is None:
-            signal_pids(scheduler_pids(prefill), signal.SIGCONT)
-        for proc in (*routers, prefill, decode1, decode2):
-            proc.stop()
+    with killable_cluster(model, str(tmp_path_factory.mktemp("logs")), *FLAGS) as c:
+        yield c
 
 
 def test_decode_killed_mid_request(cluster):
