@@ -31,7 +31,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process, run_launcher
 
-register_cpu_ci(est_time=300, suite="nightly-cpu")
+register_cpu_ci(est_time=150, suite="nightly-cpu")
 
 LOGPROB_TOL = 1e-4
 
