@@ -203,8 +203,10 @@ def check_pipeline_support(model_config: ModelConfig, pp_size: int) -> None:
         return
     cls = model_config.model_class
     if not getattr(cls, "supports_pipeline_parallel", False):
-        raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: only Llama, "
-                         "Qwen3 and Qwen3-Next build one pipeline stage's layers and pools; use --pp-size 1")
+        why = getattr(cls, "pipeline_unsupported_reason", "")
+        raise ValueError(f"--pp-size {pp_size} is not supported for {model_config.architecture}: "
+                         f"{why + '; ' if why else ''}only Llama, Qwen3, Qwen3-Next and DeepSeek-V2/V3/V3.2 build "
+                         "one pipeline stage's layers and pools; use --pp-size 1")
     layers = model_config.num_hidden_layers
     if pp_size > layers:
         raise ValueError(f"--pp-size {pp_size} exceeds the model's {layers} layers; allowed: 1 to {layers}")

@@ -17,6 +17,10 @@ row-parallel); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated, so the ca
 same bytes on every rank (the MLA pool is replicated: only TP rank 0 backs it up to L3). MoE layers
 shard each expert's intermediate dim (``layers/moe.py``).
 
+Pipeline parallelism: a stage builds its layer range only (``DeepseekV2Model``); the latent is
+replicated over a stage's TP ranks but differs between stages, so TP rank 0 of each stage backs
+up its own pages (the pp rank and size are in the L3 namespace, ``mem_cache/storage/keys.py``).
+
 Layers ``i >= first_k_dense_replace`` (and ``i % moe_layer_freq == 0``) are MoE; the others use a
 dense MLP of ``intermediate_size``. Multi-token-prediction layers some checkpoints carry
 (``model.layers.{num_hidden_layers}...``) are not used and skipped on load, as HF does.
@@ -31,6 +35,7 @@ import torch
 from torch import nn
 
 from sglang.srt.distributed import get_tensor_model_parallel_world_size
+from sglang.srt.distributed.pipeline import PipelineStage, PPMissingLayer
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -165,18 +170,28 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class DeepseekV2Model(DecoderModel):
+    """Builds only this pipeline stage's part (``PipelineStage.current``), as ``LlamaModel``: the
+    embedding on the first stage, the final norm on the last, and the layers of its range, each
+    dense or MoE by its global index; a stage's attention layers number from 0 (its MLA pool
+    and, for V3.2, its indexer sidecar hold only its layers)."""
+
     def __init__(self, config, attention_cls=DeepseekV2Attention):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage.current(config.num_hidden_layers)
+        holds_embedding = stage.is_first or (config.tie_word_embeddings and stage.is_last)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if holds_embedding
+                             else PPMissingLayer())
         rotary_emb = RotaryEmbedding(
             config.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
             interleaved=bool(config.rope_interleave),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_cls, rotary_emb, DeepseekMoE(config) if is_moe_layer(config, i) else None)
+            LlamaDecoderLayer(config, i - stage.start_layer, attention_cls, rotary_emb,
+                              DeepseekMoE(config) if is_moe_layer(config, i) else None)
+            if stage.start_layer <= i < stage.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else PPMissingLayer()
 
 
 class DeepseekV2ForCausalLM(ModelSpec, CausalLM):
@@ -207,6 +222,10 @@ class DeepseekV2ForCausalLM(ModelSpec, CausalLM):
     nullable_keys = ("q_lora_rank", "n_group", "topk_group", "n_shared_experts", "n_routed_experts")
     attention_cls = DeepseekV2Attention
     stacked_params_mapping = GATE_UP_STACKED_PARAMS
+    # --pp-size: a stage holds a contiguous layer range (dense or MoE layers alike) and an MLA
+    # pool over those layers; its latent is replicated over TP, not over stages, so TP rank 0 of
+    # every stage writes its own L3 objects (the pp rank is part of their namespace).
+    supports_pipeline_parallel = True
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:

@@ -465,6 +465,9 @@ class DeepseekV4ForCausalLM(ModelSpec, CausalLM):
     only the embedding and LM head are vocab-sharded."""
 
     lm_head_name = "head"  # the checkpoint's name
+    # Why --pp-size > 1 is refused (model_runner.check_pipeline_support).
+    pipeline_unsupported_reason = ("its layers hand on hc_mult hyper-connection streams (collapsed by hc_head "
+                                   "before the norm), not the hidden states and residual a pipeline stage sends")
 
     @classmethod
     def complete_hf_config(cls, raw: dict, where: str = "config.json") -> dict:

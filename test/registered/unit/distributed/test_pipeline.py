@@ -6,6 +6,7 @@ stage, and the --pp-size combinations refused at startup. The served path (token
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sglang.srt.distributed import parallel_state
 from sglang.srt.distributed.pipeline import PipelineStage, PPMissingLayer, get_pp_indices
@@ -73,6 +74,34 @@ def test_qwen3_stage_builds_and_loads_only_its_part(pp_stage):
         assert layers == {"1", "2"} and model.lm_head is model.model.embed_tokens
         # attention layers number from 0 on every stage: its KV pool holds only its layers
         assert [layer.self_attn.attn.layer_id for layer in model.model.layers[1:]] == [0, 1]
+
+
+_DEEPSEEK_RAW = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+                 "vocab_size": 100, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                 "v_head_dim": 8, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                 "n_shared_experts": 1, "moe_intermediate_size": 16, "first_k_dense_replace": 1}
+
+
+@pytest.mark.parametrize("pp_stage", [0, 1], indirect=True)
+def test_deepseek_v2_stage_builds_its_dense_or_moe_layers_and_mla_pool(pp_stage):
+    from sglang.srt.layers.moe import DeepseekMoE
+    from sglang.srt.model_executor.weight_utils import dummy_weights_iterator
+    from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    hf = SimpleNamespace(**DeepseekV2ForCausalLM.complete_hf_config(_DEEPSEEK_RAW))
+    model = DeepseekV2ForCausalLM(hf)
+    model.load_weights(dummy_weights_iterator(DeepseekV2ForCausalLM.hf_weight_shapes(hf), 0))
+    start, end = get_pp_indices(3, pp_stage, 2)
+    built = model.model.layers[start:end]
+    # layer 0 is dense (first_k_dense_replace=1), the others MoE, by their global index
+    assert [isinstance(layer.mlp, DeepseekMoE) for layer in built] == [i >= 1 for i in range(start, end)]
+    assert [layer.self_attn.attn.layer_id for layer in built] == list(range(end - start))
+    assert isinstance(model.model.embed_tokens, PPMissingLayer) == (pp_stage == 1)
+    assert isinstance(model.lm_head, PPMissingLayer) == (pp_stage == 0)
+    # the stage's MLA pool holds its layers only
+    stage_hf = DeepseekV2ForCausalLM.pipeline_stage_hf_config(hf, start, end)
+    layout = DeepseekV2ForCausalLM.kv_pool_layout(stage_hf, 2, torch.float32)
+    assert layout.anchor.args["layer_num"] == end - start
 
 
 def test_qwen3_next_stage_pools_and_refused_split():
