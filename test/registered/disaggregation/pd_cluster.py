@@ -125,15 +125,20 @@ def _multi_turn(url: str, ref_url: str, prompts: list[list[int]]) -> None:
             convs[c] = history + want + [(11 * turn + c + i) % 700 + 3 for i in range(7)]
 
 
-def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, prompts: list[list[int]],
-                  log_dir: str | None = None, flags: tuple[str, ...] = ()) -> None:
+def check_pd_pair(model: str, ref_url: str | None, prefill_tp: int, decode_tp: int, prompts: list[list[int]],
+                  log_dir: str | None = None, flags: tuple[str, ...] = (),
+                  reference_flags: tuple[str, ...] = ()) -> None:
     """Prefill (tp ``prefill_tp``) + decode (tp ``decode_tp``) + the PD router: single prompts and
     a 3-turn workload token-identical to the server at ``ref_url``; both PD servers settle with no
-    failure, no open room and a passed idle integrity check. ``flags``: added to both servers."""
+    failure, no open room and a passed idle integrity check. ``flags``: added to both servers.
+    ``ref_url`` None: a plain tp1 server with ``reference_flags`` starts beside the pair (in
+    parallel, stopped with it) and is the reference."""
     (bootstrap_port,) = free_ports(1)
     backend = dict(zip(flags, flags[1:])).get("--disaggregation-transfer-backend", "nixl")
-    prefill, decode = launch_servers(model, [prefill_flags(bootstrap_port, "--tp-size", str(prefill_tp), *flags),
-                                             decode_flags("--tp-size", str(decode_tp), *flags)], log_dir=log_dir)
+    flag_sets = [prefill_flags(bootstrap_port, "--tp-size", str(prefill_tp), *flags),
+                 decode_flags("--tp-size", str(decode_tp), *flags)] + ([reference_flags] if ref_url is None else [])
+    prefill, decode, *own_ref = launch_servers(model, flag_sets, log_dir=log_dir)
+    ref_url = own_ref[0].url if own_ref else ref_url
     router = None
     try:
         router = launch_pd_router([(prefill.url, bootstrap_port)], [decode.url], log_dir=log_dir)
@@ -149,7 +154,7 @@ def check_pd_pair(model: str, ref_url: str, prefill_tp: int, decode_tp: int, pro
             assert info["counters"]["num_idle_checks"] > 0
             assert srv.get("/health").status_code == 200
     finally:
-        for proc in (router, prefill, decode):
+        for proc in (router, prefill, decode, *own_ref):
             if proc is not None:
                 proc.stop()
 
