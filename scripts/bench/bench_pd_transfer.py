@@ -14,16 +14,24 @@ returns (Mooncake has no notifications). Per (prefill_tp, decode_tp, kv_heads) c
   byte count as ONE descriptor between the same processes, all pairs at once, timed the same way.
 - ``single``: all the case's bytes as one descriptor between one prefill and one decode process
   (the figure a single-descriptor copy reaches with one sending core).
-- ``raw_pages``: the ``raw`` pairs again, each pair's bytes as one descriptor per (page, layer,
-  K or V) in shuffled order, the descriptors the pages route posts for scattered pages: NIXL's
-  own cost of scattered pages (``raw_pages_vs_raw``), so that ``ratio`` splits into NIXL's part
-  and ours (``ratio_raw_pages`` = pd / raw_pages).
+- ``raw_pages``: the ``raw`` pairs again, each pair's bytes as one descriptor per (page,
+  registered buffer: layer and K or V, or the sidecar's) in shuffled order, the descriptors the
+  pages route posts for scattered pages: NIXL's own cost of scattered pages
+  (``raw_pages_vs_raw``), so that ``ratio`` splits into NIXL's part and ours
+  (``ratio_raw_pages`` = pd / raw_pages).
 
 ``--state-layers N`` adds a Qwen3-Next-shaped Mamba state pool to every rank (N linear-attention
 layers; per layer a conv state of the q|k|v channels of 16 key / 32 value heads of 128, kernel 4,
 bf16, and a temporal state of 32 x 128 x 128 fp32 values, both sharded by heads): ``pd`` then
 moves the request's state slot after its KV (cut and joined per q/k/v segment under
 heterogeneous TP), and every baseline moves the same bytes, state included (``state_bytes``).
+
+``--sidecar-layers N`` makes every rank DeepSeek-V3.2-shaped instead: the KV pool becomes MLA
+latents (512 + 64 rope values, bf16, ``--layers`` layers, replicated across TP, so ``kv_heads``
+is ignored) with a DSA indexer sidecar of N layers on the same pages (a 128-value bf16 key and
+an fp32 scale per token); ``pd`` moves whole pages, latents and indexer keys in the same WRITEs,
+from the first prefill target of every decode rank, and every baseline moves the same bytes,
+sidecar included (``sidecar_bytes``).
 
 ``--layout allocator`` replaces the random permutation of pages (the worst case: every page its
 own descriptor) with the pages a ``PagedAllocator`` hands a new request on a busy server (long
@@ -58,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from sglang.srt.disaggregation.base import DisaggregationMode, KVArgs, KVPoll, TransferConfig  # noqa: E402
 from sglang.srt.disaggregation.common.pool_plan import kv_args_of_pools  # noqa: E402
 from sglang.srt.disaggregation.common.rank_mapping import head_slice, plan_decode_rank, state_row_slices  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool.dsa import DSAIndexerPool  # noqa: E402
 from sglang.srt.mem_cache.memory_pool.mamba import MambaPool  # noqa: E402
 
 DEFAULT_CASES = "1x1x8,2x2x8,4x4x8,2x1x8,1x2x8,4x2x8,4x2x2"  # prefill_tp x decode_tp x kv_heads
@@ -67,6 +76,32 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 # Qwen3-Next-80B's linear attention: key heads, value heads, head dims, conv kernel
 STATE_NK, STATE_NV, STATE_DK, STATE_DV, STATE_KERNEL = 16, 32, 128, 128, 4
 STATE_SLOT = 1  # the request's state slot on every rank
+# DeepSeek-V3.2: MLA latent (kv_lora_rank + rope), DSA indexer key dim (bf16) and its fp32 scale
+MLA_LORA, MLA_ROPE, INDEX_DIM, INDEX_SCALE_BYTES = 512, 64, 128, 4
+
+
+def sidecar_pools(args, size: int, page_size: int) -> tuple:
+    """A DeepSeek-V3.2-shaped rank's paged pools for ``--sidecar-layers``: (MLA anchor, [indexer])."""
+    anchor = MLATokenToKVPool(size, page_size, torch.bfloat16, MLA_LORA, MLA_ROPE, args.layers)
+    return anchor, [DSAIndexerPool(size, page_size, INDEX_DIM, args.sidecar_layers, torch.bfloat16)]
+
+
+def token_bytes(args, heads_sent: int) -> int:
+    """Paged bytes of one token a sender moves: MHA K and V of ``heads_sent`` heads per layer, or
+    with ``--sidecar-layers`` the MLA latent per layer plus the indexer key and scale per sidecar layer."""
+    if args.sidecar_layers:
+        return args.layers * (MLA_LORA + MLA_ROPE) * ELEM + sidecar_token_bytes(args)
+    return args.layers * 2 * heads_sent * HEAD_DIM * ELEM
+
+
+def sidecar_token_bytes(args) -> int:
+    """Indexer bytes of one token: a key and its scale per sidecar layer (0 without)."""
+    return args.sidecar_layers * (INDEX_DIM * ELEM + INDEX_SCALE_BYTES)
+
+
+def paged_buffers(args) -> int:
+    """Registered paged buffers of a rank: one descriptor each per page on the pages route."""
+    return args.layers + 2 * args.sidecar_layers if args.sidecar_layers else args.layers * 2
 
 
 def state_pool(args, tp_size: int) -> MambaPool | None:
@@ -97,11 +132,12 @@ def pair_bytes(args, tp: int, td: int, heads: int) -> dict[tuple[int, int], int]
     """KV (and state) bytes prefill rank p sends decode rank d, for every pair that exchanges any."""
     out = {}
     for d in range(td):
-        for plan in plan_decode_rank(heads, tp, td, d, is_mla=False, has_state=bool(args.state_layers)):
+        mla, has_state = bool(args.sidecar_layers), bool(args.state_layers)  # replicated pages / a state slot
+        for plan in plan_decode_rank(heads, tp, td, d, is_mla=mla, has_state=has_state):
             n = state_pair_bytes(args, tp, plan.prefill_rank, td, d) if plan.send_state else 0
             if plan.send_kv:
-                hs = head_slice(heads, tp, plan.prefill_rank, td, d)
-                n += args.tokens * args.layers * 2 * hs.num_heads * HEAD_DIM * ELEM
+                sent = 0 if args.sidecar_layers else head_slice(heads, tp, plan.prefill_rank, td, d).num_heads
+                n += args.tokens * token_bytes(args, sent)
             if n:
                 out[(plan.prefill_rank, d)] = n
     return out
@@ -127,9 +163,13 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
     from sglang.srt.disaggregation.utils import get_kv_class
 
     num_pages = pool_pages(args)
-    pool = MHATokenToKVPool(num_pages * args.page_size, args.page_size, torch.bfloat16, max(1, heads // tp_size),
-                            HEAD_DIM, args.layers)
-    for buf in pool.buffers.values():  # touch every page now, not inside the timed transfer
+    if args.sidecar_layers:
+        pool, sidecars = sidecar_pools(args, num_pages * args.page_size, args.page_size)
+    else:
+        pool, sidecars = MHATokenToKVPool(num_pages * args.page_size, args.page_size, torch.bfloat16,
+                                          max(1, heads // tp_size), HEAD_DIM, args.layers), []
+    # touch every page now, not inside the timed transfer
+    for buf in (b for p in (pool, *sidecars) for b in p.buffers.values()):
         if mode is DisaggregationMode.PREFILL:
             buf.view(torch.int16).random_(-30000, 30000)
         else:
@@ -137,7 +177,7 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
     state = state_pool(args, tp_size)
     for buf in (state.buffers.values() if state is not None else ()):
         buf.view(torch.int16).random_(-30000, 30000) if mode is DisaggregationMode.PREFILL else buf.zero_()
-    kv_args = kv_args_of_pools(pool, [], state, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size,
+    kv_args = kv_args_of_pools(pool, sidecars, state, engine_rank=tp_rank, tp_rank=tp_rank, tp_size=tp_size,
                                total_kv_head_num=heads)
     extra = {} if args.descriptor_cost_kib is None else {"descriptor_cost_bytes": args.descriptor_cost_kib << 10}
     if args.pack_chunk_mib:
@@ -145,7 +185,7 @@ def make_rank(args, mode, tp_size: int, tp_rank: int, heads: int, addr: str | No
     cfg = TransferConfig(bootstrap_addr=addr, transfer_timeout_s=600, bootstrap_timeout_s=120,
                          staging_bytes=args.staging_mib << 20, **extra)
     mgr = get_kv_class(args.backend, "manager")(kv_args, mode, cfg)
-    mgr.bench_state_pool = state  # registered memory: must outlive the manager
+    mgr.bench_state_pool, mgr.bench_sidecars = state, sidecars  # registered memory: must outlive the manager
     return mgr, pool
 
 
@@ -435,7 +475,7 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
     co.call({k: ("case", tp, heads, server.addr) for k in prefill})
     co.call({k: ("case", td, heads, server.addr) for k in decode})
     times = {"pd": [], "raw": [], "single": [], "raw_pages": []}
-    descriptors = args.tokens // args.page_size * args.layers * 2  # one per (page, layer, K or V)
+    descriptors = args.tokens // args.page_size * paged_buffers(args)  # one per (page, registered buffer)
     for it in range(args.iters + 1):
         room = room_id(tp, td, heads, it)
         runs = {"pd": {k: ("pd", room, server.addr) for k in decode + prefill},
@@ -460,7 +500,8 @@ def run_case(co: Coordinator, args, tp: int, td: int, heads: int) -> dict:
             "pd_ms": [round(t * 1e3, 2) for t in times["pd"]], "raw_ms": [round(t * 1e3, 2) for t in times["raw"]],
             "routes": dict(sum((Counter(r) for r in routes.values()), Counter())), "load": load,
             "layout": args.layout, "page_runs_median": runs, "backend": args.backend,
-            "state_bytes": sum(state_pair_bytes(args, tp, p, td, d) for p, d in pairs)}
+            "state_bytes": sum(state_pair_bytes(args, tp, p, td, d) for p, d in pairs),
+            "sidecar_bytes": len(pairs) * args.tokens * sidecar_token_bytes(args)}
 
 
 def main(argv=None) -> int:
@@ -484,9 +525,14 @@ def main(argv=None) -> int:
                          "adjacent), or what the allocator hands a new request on a busy server")
     ap.add_argument("--state-layers", type=int, default=0,
                     help="add a Qwen3-Next-shaped Mamba state pool of this many layers (0: KV only)")
+    ap.add_argument("--sidecar-layers", type=int, default=0,
+                    help="DeepSeek-V3.2-shaped ranks: MLA latents of --layers layers plus a DSA indexer "
+                         "sidecar of this many layers on the same pages (0: MHA KV)")
     ap.add_argument("--json", help="write one JSON record per case to this file")
     args = ap.parse_args(argv)
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    if args.sidecar_layers and args.state_layers:
+        ap.error("--sidecar-layers (DeepSeek-V3.2 shape) and --state-layers (Qwen3-Next shape) exclude each other")
     if args.tokens % args.page_size:
         ap.error(f"--tokens {args.tokens} must be a multiple of --page-size {args.page_size}")
     args.max_bytes = max(sum(pair_bytes(args, tp, td, h).values()) for tp, td, h in cases)
@@ -499,6 +545,7 @@ def main(argv=None) -> int:
             rec = run_case(co, args, tp, td, heads)
             records.append(rec)
             state = f" (state {rec['state_bytes'] / 2**20:.1f} MiB)" if rec["state_bytes"] else ""
+            state += f" (sidecar {rec['sidecar_bytes'] / 2**20:.1f} MiB)" if rec["sidecar_bytes"] else ""
             print(f"TP {tp}->{td} H={heads}: {rec['bytes'] / 2**20:6.1f} MiB{state}  pd {rec['gbps']:5.2f} GB/s  "
                   f"raw {rec['baseline_gbps']:5.2f}  ratio {rec['ratio']:.2f}  single {rec['single_gbps']:5.2f}  "
                   f"ratio_single {rec['ratio_single']:.2f}  raw_pages {rec['raw_pages_gbps']:5.2f} "
