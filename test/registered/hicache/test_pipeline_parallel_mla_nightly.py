@@ -1,6 +1,7 @@
 """--pp-size through the server on MLA: a tiny DeepSeek-V2 of 3 layers (layer 0 dense, 1-2 MoE;
 stage 0 holds the embedding and the dense layer, stage 1 the two MoE layers, the norm and the
-head), and DeepSeek-V3.2 (MLA + the DSA indexer sidecar) split the same way:
+head), DeepSeek-V3 (sigmoid router, YaRN rope) and DeepSeek-V3.2 (MLA + the DSA indexer sidecar)
+split the same way:
 
 - greedy tokens and logprobs at --pp-size 2 equal --pp-size 1 bit for bit, and HF ``generate``;
 - --tp-size 2 --pp-size 2 with HiCache and file L3: the latent is replicated over a stage's TP
@@ -24,10 +25,10 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process, run_launcher
 
-register_cpu_ci(est_time=90, suite="nightly-cpu")
+register_cpu_ci(est_time=130, suite="nightly-cpu")
 
 
-@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3", "deepseek_v32"])
 def model(request, tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp(request.param)), request.param, "--layers", "3")
 
