@@ -14,11 +14,18 @@ Qwen3-Next (linear, full, linear, full):
 - refused at startup: an architecture without CP support (MLA), CP with --pp-size.
 """
 
-import os
-import time
-
 import pytest
 from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from parallel_e2e import (  # noqa: F401 (model3, reference, next4, next_reference: fixtures)
+    NEXT_PLAIN,
+    idle_checks_per_rank,
+    model3,
+    next4,
+    next_reference,
+    reference,
+    scheduler_info,
+    stored_objects,
+)
 from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
 from test_hicache_storage import wait_backed_up
 from test_qwen3_next_e2e import COMMON as NEXT_COMMON
@@ -34,28 +41,6 @@ from sglang.test.server_utils import launch_server_process, run_launcher
 register_cpu_ci(est_time=150, suite="nightly-cpu")
 
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model3(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny3")), "qwen3", "--layers", "3", "--tie")
-
-
-@pytest.fixture(scope="module")
-def reference(model3):
-    with launch_server_process(model3, *COMMON, *REFERENCE) as srv:
-        return run_workload(srv, **WORKLOAD)
-
-
-def idle_checks_per_rank(srv, timeout: float = 30) -> list[int]:
-    """Every rank's idle integrity checks once each has run one (ranks drain their transfers
-    at their own pace, so rank 0's first check does not mean the others')."""
-    deadline = time.monotonic() + timeout
-    while True:
-        per_rank = srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]
-        if min(per_rank) > 0 or time.monotonic() > deadline:
-            return per_rank
-        time.sleep(0.1)
 
 
 def _run(model, *flags):
@@ -86,10 +71,6 @@ def test_tp2_cp2_matches_tp1(model3, reference):
     assert len(per_rank) == 4 and min(per_rank) > 0
 
 
-def _stored_objects(storage_dir: str) -> int:
-    return sum(len(files) for _, _, files in os.walk(storage_dir))
-
-
 @pytest.mark.parametrize("backend, policy", [("file", "write_through"), ("nixl", "write_back")])
 def test_cp2_hicache_l3_per_rank(model3, reference, tmp_path, backend, policy):
     storage_dir = str(tmp_path / "l3")
@@ -100,12 +81,12 @@ def test_cp2_hicache_l3_per_rank(model3, reference, tmp_path, backend, policy):
         assert tier_totals(first)["host"] > 0, tier_totals(first)
         assert wait_backed_up(srv) > 0
         assert min(idle_checks_per_rank(srv)) > 0
-        info = srv.get("/get_server_info").json()["scheduler"]
+        info = scheduler_info(srv)
     written = [s["pages_written"] for s in info["storage_per_rank"]]
     assert len(written) == 2 and written[0] == written[1] > 0, written
     assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
     if backend == "file":  # one object per page per CP rank (NIXL's file plugin keeps more per page)
-        assert _stored_objects(storage_dir) == sum(written)
+        assert stored_objects(storage_dir) == sum(written)
 
     with launch_server_process(model3, *flags, "--attn-cp-size", "2") as srv:
         again = run_workload(srv, **WORKLOAD)
@@ -119,21 +100,8 @@ def test_cp2_hicache_l3_per_rank(model3, reference, tmp_path, backend, policy):
     assert tier_totals(other)["storage"] == 0, tier_totals(other)
 
 
-@pytest.fixture(scope="module")
-def next4(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("next4")), "qwen3_next", "--layers", "4")
-
-
-@pytest.fixture(scope="module")
-def next_reference(next4):
-    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
-                               "--max-total-tokens", "8192") as srv:
-        return run_workload(srv, **NEXT_WORKLOAD)
-
-
 def test_qwen3_next_cp2_matches_cp1_and_hf(next4, next_reference):
-    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
-                               "--max-total-tokens", "8192", "--attn-cp-size", "2") as srv:
+    with launch_server_process(next4, *NEXT_PLAIN, "--attn-cp-size", "2") as srv:
         turns = run_workload(srv, **NEXT_WORKLOAD)
         assert min(idle_checks_per_rank(srv)) > 0
     assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
@@ -143,7 +111,7 @@ def test_qwen3_next_cp2_matches_cp1_and_hf(next4, next_reference):
 def test_qwen3_next_cp2_hicache_seed003_and_storage(next4, next_reference, tmp_path):
     flags = [*NEXT_COMMON, *NEXT_SMALL_DEVICE, *file_l3_flags(str(tmp_path / "l3")), "--attn-cp-size", "2"]
     with launch_server_process(next4, *flags) as srv:
-        info = srv.get("/get_server_info").json()["scheduler"]
+        info = scheduler_info(srv)
         # seed 003 served: each CP rank's HybridCacheController from the one CacheInitParams
         ctrl = info["cache_controller_per_rank"]
         assert [c["class"] for c in ctrl] == ["HybridCacheController"] * 2, ctrl
@@ -153,7 +121,7 @@ def test_qwen3_next_cp2_hicache_seed003_and_storage(next4, next_reference, tmp_p
         turns = run_workload(srv, **NEXT_WORKLOAD)
         assert wait_backed_up(srv) > 0
         assert min(idle_checks_per_rank(srv)) > 0
-        info = srv.get("/get_server_info").json()["scheduler"]
+        info = scheduler_info(srv)
     assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
     assert tier_totals(turns)["host"] > 0, tier_totals(turns)
     written = [s["pages_written"] for s in info["storage_per_rank"]]

@@ -17,7 +17,8 @@ The Qwen3 / Qwen3-Next cases are in test_pipeline_parallel_nightly.py.
 import os
 
 import pytest
-from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
+from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from parallel_e2e import idle_checks_per_rank, scheduler_info, stored_objects
 from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
 from test_hicache_storage import wait_backed_up
 
@@ -42,14 +43,10 @@ def reference(model):
 def test_pp2_matches_pp1_and_hf(model, reference):
     with launch_server_process(model, *COMMON, *REFERENCE, "--pp-size", "2") as srv:
         turns = run_workload(srv, **WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-        assert len(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) == 2
+        per_rank = idle_checks_per_rank(srv)
+        assert len(per_rank) == 2 and min(per_rank) > 0, per_rank
     assert_same_tokens(reference, turns)
     assert_equal_hf_generate(model, turns)
-
-
-def _stored_objects(storage_dir: str) -> int:
-    return sum(len(files) for _, _, files in os.walk(storage_dir))
 
 
 def test_tp2_pp2_hicache_file_l3_tp_rank0_of_each_stage_writes(model, reference, tmp_path):
@@ -60,14 +57,14 @@ def test_tp2_pp2_hicache_file_l3_tp_rank0_of_each_stage_writes(model, reference,
         first = run_workload(srv, **WORKLOAD)
         assert tier_totals(first)["host"] > 0, tier_totals(first)
         assert wait_backed_up(srv) > 0
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-        info = srv.get("/get_server_info").json()["scheduler"]
+        assert min(idle_checks_per_rank(srv)) > 0
+        info = scheduler_info(srv)
     assert_same_tokens(reference, first, logprob_tol=1e-4)  # tokens equal; TP all-reduce order
     assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
     # global rank = pp_rank * tp_size + tp_rank: ranks 0 and 2 are TP rank 0 of stages 0 and 1
     written = [s["pages_written"] for s in info["storage_per_rank"]]
     assert len(written) == 4 and written[0] == written[2] > 0 and written[1] == written[3] == 0, written
-    objects = _stored_objects(storage_dir)
+    objects = stored_objects(storage_dir)
     # each stage's pages once (the stages hold different layers); non-MLA would store 2x this
     assert objects == written[0] + written[2], (objects, written)
     if "v32" in model:  # the indexer sidecar's object beside each latent object, per stage too
@@ -76,7 +73,7 @@ def test_tp2_pp2_hicache_file_l3_tp_rank0_of_each_stage_writes(model, reference,
 
     with launch_server_process(model, *flags, *split) as srv:  # same split: served from storage
         again = run_workload(srv, **WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert min(idle_checks_per_rank(srv)) > 0
     assert_same_tokens(reference, again, logprob_tol=1e-4)
     assert tier_totals(again)["storage"] > 0, tier_totals(again)
 

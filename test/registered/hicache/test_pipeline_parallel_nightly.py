@@ -19,10 +19,18 @@ the embedding and layer 0; stage 1 layers 1-2, the norm and the head, which is t
   cases are in test_pipeline_parallel_mla_nightly.py).
 """
 
-import os
-
 import pytest
-from hicache_workload import assert_same_tokens, run_workload, tier_totals, wait_idle_check
+from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from parallel_e2e import (  # noqa: F401 (model3, reference, next4, next_reference: fixtures)
+    NEXT_PLAIN,
+    idle_checks_per_rank,
+    model3,
+    next4,
+    next_reference,
+    reference,
+    scheduler_info,
+    stored_objects,
+)
 from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
 from test_hicache_storage import wait_backed_up
 from test_qwen3_next_e2e import COMMON as NEXT_COMMON
@@ -38,22 +46,10 @@ from sglang.test.server_utils import launch_server_process, run_launcher
 register_cpu_ci(est_time=240, suite="nightly-cpu")
 
 
-@pytest.fixture(scope="module")
-def model3(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("tiny3")), "qwen3", "--layers", "3", "--tie")
-
-
-@pytest.fixture(scope="module")
-def reference(model3):
-    with launch_server_process(model3, *COMMON, *REFERENCE) as srv:
-        return run_workload(srv, **WORKLOAD)
-
-
 def _run(model, *flags):
     with launch_server_process(model, *COMMON, *flags) as srv:
         turns = run_workload(srv, **WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-        per_rank = srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]
+        per_rank = idle_checks_per_rank(srv)
     return turns, per_rank
 
 
@@ -72,10 +68,6 @@ def test_tp2_pp2_matches_tp1(model3, reference):
     assert len(per_rank) == 4 and min(per_rank) > 0
 
 
-def _stored_objects(storage_dir: str) -> int:
-    return sum(len(files) for _, _, files in os.walk(storage_dir))
-
-
 def test_pp2_hicache_file_l3_per_stage(model3, reference, tmp_path):
     storage_dir = str(tmp_path / "l3")
     flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir)]
@@ -84,18 +76,17 @@ def test_pp2_hicache_file_l3_per_stage(model3, reference, tmp_path):
         assert_same_tokens(reference, first)
         assert tier_totals(first)["host"] > 0, tier_totals(first)
         assert wait_backed_up(srv) > 0
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-        info = srv.get("/get_server_info").json()["scheduler"]
+        assert min(idle_checks_per_rank(srv)) > 0
+        info = scheduler_info(srv)
     written = [s["pages_written"] for s in info["storage_per_rank"]]
     assert len(written) == 2 and written[0] == written[1] > 0, written
     assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
     # one object per page per stage (the KV of its layers), no stage's page twice
-    assert _stored_objects(storage_dir) == sum(written)
+    assert stored_objects(storage_dir) == sum(written)
 
     with launch_server_process(model3, *flags, "--pp-size", "2") as srv:
         again = run_workload(srv, **WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
-        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+        assert min(idle_checks_per_rank(srv)) > 0
     assert_same_tokens(reference, again)
     assert tier_totals(again)["storage"] > 0, tier_totals(again)
 
@@ -105,23 +96,10 @@ def test_pp2_hicache_file_l3_per_stage(model3, reference, tmp_path):
     assert tier_totals(other)["storage"] == 0, tier_totals(other)
 
 
-@pytest.fixture(scope="module")
-def next4(tmp_path_factory):
-    return make_tiny_model(str(tmp_path_factory.mktemp("next4")), "qwen3_next", "--layers", "4")
-
-
-@pytest.fixture(scope="module")
-def next_reference(next4):
-    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
-                               "--max-total-tokens", "8192") as srv:
-        return run_workload(srv, **NEXT_WORKLOAD)
-
-
 def test_qwen3_next_pp2_matches_pp1_and_hf(next4, next_reference):
-    with launch_server_process(next4, *NEXT_COMMON, "--page-size", "4", "--disable-radix-cache",
-                               "--max-total-tokens", "8192", "--pp-size", "2") as srv:
+    with launch_server_process(next4, *NEXT_PLAIN, "--pp-size", "2") as srv:
         turns = run_workload(srv, **NEXT_WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
+        assert min(idle_checks_per_rank(srv)) > 0
     # tokens equal; logprobs within the Qwen3-Next tolerance: concurrent clients may meet other
     # batch compositions, so prefill chunks (and the delta rule's chunking) can fall elsewhere
     assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
@@ -132,9 +110,9 @@ def test_qwen3_next_pp2_hicache_host_then_storage(next4, next_reference, tmp_pat
     flags = [*NEXT_COMMON, *NEXT_SMALL_DEVICE, *file_l3_flags(str(tmp_path / "l3")), "--pp-size", "2"]
     with launch_server_process(next4, *flags) as srv:
         turns = run_workload(srv, **NEXT_WORKLOAD)
-        assert wait_idle_check(srv)["num_idle_checks"] > 0
         assert wait_backed_up(srv) > 0
-        info = srv.get("/get_server_info").json()["scheduler"]
+        assert min(idle_checks_per_rank(srv)) > 0
+        info = scheduler_info(srv)
     assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
     assert tier_totals(turns)["host"] > 0, tier_totals(turns)
     written = [s["pages_written"] for s in info["storage_per_rank"]]
@@ -142,7 +120,7 @@ def test_qwen3_next_pp2_hicache_host_then_storage(next4, next_reference, tmp_pat
     assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
     with launch_server_process(next4, *flags) as srv:  # same split: KV pages and states from storage
         assert run_later_rounds(srv, next_reference) > 0
-        assert min(srv.get("/get_server_info").json()["scheduler"]["idle_checks_per_rank"]) > 0
+        assert min(idle_checks_per_rank(srv)) > 0
     with launch_server_process(next4, *flags[:-2]) as srv:  # --pp-size 1: another split, nothing to read
         assert run_later_rounds(srv, next_reference) == 0
 
