@@ -356,15 +356,10 @@ class ServerArgs:
         layers and architecture, are checked when it is loaded)."""
         if self.pp_size == 1:
             return
-        flag = f"--pp-size {self.pp_size}"
-        if self.disaggregation_mode != "null":
-            raise ValueError(f"{flag} is not supported with --disaggregation-mode {self.disaggregation_mode}: PD "
-                             "moves one rank's whole KV pool per transfer, and a pipeline stage holds only its "
-                             "layers; allowed: --pp-size 1")
-        if self.enable_hierarchical_cache and self.hicache_size > 0:
-            raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: the stages hold "
-                             "different layers, so one byte budget gives them different host slot counts while "
-                             "the tree shares slot indices across ranks; use --hicache-ratio")
+        self._refuse_with_split(
+            f"--pp-size {self.pp_size}", "a pipeline stage holds only its layers", "--pp-size 1",
+            "the stages hold different layers, so one byte budget gives them different host slot counts while "
+            "the tree shares slot indices across ranks")
 
     def _check_context_parallel(self) -> None:
         """--attn-cp-size > 1: the combinations a CP split cannot serve (the architecture is checked
@@ -375,13 +370,18 @@ class ServerArgs:
         if self.pp_size > 1:
             raise ValueError(f"{flag} is not supported with --pp-size {self.pp_size}: a CP rank runs the whole "
                              "model; allowed: --attn-cp-size 1 with --pp-size > 1, or --pp-size 1")
+        self._refuse_with_split(flag, "a CP rank holds only its pages", "--attn-cp-size 1",
+                                "every CP rank mirrors the same slots")
+
+    def _refuse_with_split(self, flag: str, holds: str, allowed: str, why_ratio: str) -> None:
+        """What a pipeline or context-parallel split (``flag``) cannot serve: PD, and a host pool
+        sized in bytes (``why_ratio`` says why the split needs --hicache-ratio instead)."""
         if self.disaggregation_mode != "null":
             raise ValueError(f"{flag} is not supported with --disaggregation-mode {self.disaggregation_mode}: PD "
-                             "moves one rank's whole KV pool per transfer, and a CP rank holds only its pages; "
-                             "allowed: --attn-cp-size 1")
+                             f"moves one rank's whole KV pool per transfer, and {holds}; allowed: {allowed}")
         if self.enable_hierarchical_cache and self.hicache_size > 0:
-            raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: use --hicache-ratio "
-                             "(every CP rank mirrors the same slots)")
+            raise ValueError(f"--hicache-size {self.hicache_size} is not supported with {flag}: {why_ratio}; use "
+                             "--hicache-ratio")
 
     def _check_kv_events(self) -> None:
         if self.kv_events_config is None:
