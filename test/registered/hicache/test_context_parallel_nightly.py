@@ -15,24 +15,20 @@ Qwen3-Next (linear, full, linear, full):
 """
 
 import pytest
-from hicache_workload import assert_same_tokens, run_workload, tier_totals
+from hicache_workload import assert_same_tokens, run_workload
+from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
 from parallel_e2e import (  # noqa: F401 (model3, reference, next4, next_reference: fixtures)
     NEXT_PLAIN,
+    check_qwen3_next_split_l3,
+    check_split_l3,
     idle_checks_per_rank,
     model3,
     next4,
     next_reference,
     reference,
-    scheduler_info,
-    stored_objects,
 )
-from model_e2e import COMMON, REFERENCE, SMALL_DEVICE, WORKLOAD, assert_equal_hf_generate, file_l3_flags
-from test_hicache_storage import wait_backed_up
-from test_qwen3_next_e2e import COMMON as NEXT_COMMON
 from test_qwen3_next_e2e import LOGPROB_TOL as NEXT_LOGPROB_TOL
-from test_qwen3_next_e2e import SMALL_DEVICE as NEXT_SMALL_DEVICE
 from test_qwen3_next_e2e import WORKLOAD as NEXT_WORKLOAD
-from test_qwen3_next_e2e import run_later_rounds
 
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
@@ -75,29 +71,11 @@ def test_tp2_cp2_matches_tp1(model3, reference):
 def test_cp2_hicache_l3_per_rank(model3, reference, tmp_path, backend, policy):
     storage_dir = str(tmp_path / "l3")
     flags = [*COMMON, *SMALL_DEVICE, *file_l3_flags(storage_dir, backend), "--hicache-write-policy", policy]
-    with launch_server_process(model3, *flags, "--attn-cp-size", "2") as srv:
-        first = run_workload(srv, **WORKLOAD)
-        assert_same_tokens(reference, first, LOGPROB_TOL)
-        assert tier_totals(first)["host"] > 0, tier_totals(first)
-        assert wait_backed_up(srv) > 0
-        assert min(idle_checks_per_rank(srv)) > 0
-        info = scheduler_info(srv)
-    written = [s["pages_written"] for s in info["storage_per_rank"]]
+    written, objects = check_split_l3(model3, reference, flags, ["--attn-cp-size", "2"], storage_dir=storage_dir,
+                                      tol=LOGPROB_TOL)
     assert len(written) == 2 and written[0] == written[1] > 0, written
-    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
     if backend == "file":  # one object per page per CP rank (NIXL's file plugin keeps more per page)
-        assert stored_objects(storage_dir) == sum(written)
-
-    with launch_server_process(model3, *flags, "--attn-cp-size", "2") as srv:
-        again = run_workload(srv, **WORKLOAD)
-        assert min(idle_checks_per_rank(srv)) > 0
-    assert_same_tokens(reference, again, LOGPROB_TOL)
-    assert tier_totals(again)["storage"] > 0, tier_totals(again)
-
-    with launch_server_process(model3, *flags) as srv:  # --attn-cp-size 1: another split
-        other = run_workload(srv, **WORKLOAD)
-    assert_same_tokens(reference, other)
-    assert tier_totals(other)["storage"] == 0, tier_totals(other)
+        assert objects == sum(written)
 
 
 def test_qwen3_next_cp2_matches_cp1_and_hf(next4, next_reference):
@@ -109,29 +87,16 @@ def test_qwen3_next_cp2_matches_cp1_and_hf(next4, next_reference):
 
 
 def test_qwen3_next_cp2_hicache_seed003_and_storage(next4, next_reference, tmp_path):
-    flags = [*NEXT_COMMON, *NEXT_SMALL_DEVICE, *file_l3_flags(str(tmp_path / "l3")), "--attn-cp-size", "2"]
-    with launch_server_process(next4, *flags) as srv:
-        info = scheduler_info(srv)
-        # seed 003 served: each CP rank's HybridCacheController from the one CacheInitParams
+    def seed003(info):  # each CP rank's HybridCacheController from the one CacheInitParams
         ctrl = info["cache_controller_per_rank"]
         assert [c["class"] for c in ctrl] == ["HybridCacheController"] * 2, ctrl
         assert [c["attn_cp_rank_and_size"] for c in ctrl] == [[0, 2], [1, 2]], ctrl
         assert [[c["storage_config"]["attn_cp_rank"], c["storage_config"]["attn_cp_size"]] for c in ctrl] \
             == [[0, 2], [1, 2]], ctrl
-        turns = run_workload(srv, **NEXT_WORKLOAD)
-        assert wait_backed_up(srv) > 0
-        assert min(idle_checks_per_rank(srv)) > 0
-        info = scheduler_info(srv)
-    assert_same_tokens(next_reference, turns, NEXT_LOGPROB_TOL)
-    assert tier_totals(turns)["host"] > 0, tier_totals(turns)
-    written = [s["pages_written"] for s in info["storage_per_rank"]]
+
+    written = check_qwen3_next_split_l3(next4, next_reference, str(tmp_path / "l3"), ["--attn-cp-size", "2"],
+                                        on_start=seed003)
     assert len(written) == 2 and min(written) > 0, written  # every CP rank writes its own KV and states
-    assert min(info["idle_checks_per_rank"]) > 0, info["idle_checks_per_rank"]
-    with launch_server_process(next4, *flags) as srv:  # same split: KV pages and states from storage
-        assert run_later_rounds(srv, next_reference) > 0
-        assert min(idle_checks_per_rank(srv)) > 0
-    with launch_server_process(next4, *flags[:-2]) as srv:  # --attn-cp-size 1: another split, nothing to read
-        assert run_later_rounds(srv, next_reference) == 0
 
 
 def test_refused_at_startup(model3, tmp_path):
