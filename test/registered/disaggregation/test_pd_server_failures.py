@@ -33,7 +33,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.router_utils import launch_pd_router
 
-register_cpu_ci(est_time=30, suite="nightly-cpu")
+register_cpu_ci(est_time=30, suite="per-commit-cpu")
 
 TIMEOUT_S = 3  # bootstrap and KV-waiting timeouts, and the heartbeat death time, of every server
 ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(TIMEOUT_S),

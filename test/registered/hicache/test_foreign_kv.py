@@ -13,7 +13,7 @@ from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.engine_utils import make_tiny_model
 from sglang.test.server_utils import launch_server_process
 
-register_cpu_ci(est_time=35, suite="nightly-cpu")
+register_cpu_ci(est_time=35, suite="per-commit-cpu")
 
 PROMPT = list(range(100, 260))  # 160 tokens: 40 pages of 4
 GREEDY = {"max_new_tokens": 8, "temperature": 0}

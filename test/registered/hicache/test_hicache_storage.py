@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.server_utils import launch_server_process, run_launcher
 
-register_cpu_ci(est_time=20, suite="nightly-cpu")
+register_cpu_ci(est_time=20, suite="per-commit-cpu")
 
 COMMON = ["--page-size", "4", "--context-length", "2048"]
 WORKLOAD = {"clients": 4, "rounds": 2}
