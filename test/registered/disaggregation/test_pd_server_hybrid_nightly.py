@@ -8,7 +8,8 @@ outputs of single prompts and a 3-turn workload are token-identical to a plain t
 same cache configuration, and both PD servers settle with no failure, no open room and a passed
 idle integrity check (state slots included). Qwen3-Next also runs with HiCache on the prefill
 side (``HiMambaRadixCache``: later turns hit the prefix and its state on prefill). Qwen3-Next
-tp 1 -> 1 without HiCache runs per commit (test_pd_server_hybrid.py)."""
+tp 1 -> 1 without HiCache runs per commit (test_pd_server_hybrid.py). The sidecar models also run
+1 -> 1 with HiCache on both servers."""
 
 import pytest
 
@@ -53,6 +54,8 @@ def test_sidecar_models_outputs_identical(arch, tps, tmp_path_factory, request, 
     ref = reference_url(model, (), tmp_path_factory, request)
     for prefill_tp, decode_tp in tps:
         check_pd_pair(model, ref, prefill_tp, decode_tp, PROMPTS, log_dir=str(tmp_path))
+    # HiCache on both servers (prefill's later turns hit its tree): the same tokens
+    check_pd_pair(model, ref, 1, 1, PROMPTS, log_dir=str(tmp_path), flags=("--page-size", "4", *HICACHE))
 
 
 if __name__ == "__main__":
